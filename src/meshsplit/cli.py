@@ -1,0 +1,145 @@
+"""The `meshsplit` command: train a reference model on local workers under a plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from meshsplit import data, models
+from meshsplit.engine import parallelize
+from meshsplit.launch import WorkerError, launch
+from meshsplit.plan import Plan, PlanError
+
+__all__ = ["main"]
+
+MODELS = ("mlp", "cnn", "transformer")
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """A reference model by name, with its default sizes."""
+    builders: dict[str, Callable[[], torch.nn.Module]] = {
+        "mlp": models.mlp,
+        "cnn": models.cnn,
+        "transformer": models.transformer,
+    }
+    return builders[name]()
+
+
+def model_data(name: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digits for the image models; learnable counting sequences for the transformer."""
+    if name == "transformer":
+        return data.counting_tokens(
+            2048 if split == "train" else 512, seed=0 if split == "train" else 1
+        )
+    return data.digits(split)
+
+
+def loss_for(name: str) -> torch.nn.Module:
+    return models.TokenCrossEntropy() if name == "transformer" else torch.nn.CrossEntropyLoss()
+
+
+def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
+    """Runs in every worker: build, split, train, evaluate; returns this rank's results."""
+    torch.manual_seed(options["seed"])
+    name = options["model"]
+    engine = parallelize(
+        build_model(name),
+        Plan(**options["plan"]),
+        optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
+        loss_fn=loss_for(name),
+    )
+    history = engine.fit(
+        model_data(name, "train"),
+        epochs=options["epochs"],
+        batch_size=options["batch_size"],
+        eval_data=model_data(name, "test"),
+        seed=options["seed"],
+    )
+    memory = engine.memory_report().as_dict()
+    engine.close()
+    return {"history": history, "memory": memory}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshsplit", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a reference model under a plan")
+    train.add_argument("--model", choices=MODELS, default="mlp")
+    train.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    train.add_argument("--pp", type=int, default=1, help="pipeline stages (layer split)")
+    train.add_argument("--tp", type=int, default=1, help="operator-split width")
+    train.add_argument("--micro-batches", type=int, default=1)
+    train.add_argument("--schedule", default="1f1b", help="1f1b or gpipe")
+    train.add_argument("--epochs", type=int, default=5)
+    train.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--metrics-out", type=Path, help="write final metrics as JSON here")
+    return parser
+
+
+def train(args: argparse.Namespace) -> None:
+    plan = Plan(
+        dp=args.dp,
+        pp=args.pp,
+        tp=args.tp,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+    )
+    plan.check_batch(args.batch_size)
+    if args.epochs < 1:
+        raise PlanError(f"--epochs={args.epochs} must be at least 1")
+    options = {
+        "model": args.model,
+        "plan": plan.as_dict(),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+    }
+    results = launch(_train_worker, plan.world_size, args=(options,))
+    last = results[0]["history"][-1]
+    metrics = {
+        "model": args.model,
+        "plan": plan.as_dict(),
+        "test_accuracy": last["test_accuracy"],
+        "final_loss": last["loss"],
+        "samples_per_second": last["samples_per_second"],
+        "peak_memory_bytes": [result["memory"]["peak_bytes"] for result in results],
+        "memory": [result["memory"] for result in results],
+        "history": results[0]["history"],
+    }
+    Console().print(
+        f"[bold]{plan.describe()}[/]  test accuracy [bold]{metrics['test_accuracy']:.4f}[/]"
+    )
+    if args.metrics_out:
+        args.metrics_out.write_text(json.dumps(metrics, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        if args.command == "train":
+            train(args)
+    except PlanError as error:
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 2
+    except WorkerError as error:
+        if error.error_type == "PlanError":
+            console.print(f"[red]error:[/] {error.message}", highlight=False)
+            return 2
+        console.print(f"[red]error:[/] {error}", highlight=False)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

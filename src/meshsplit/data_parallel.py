@@ -1,0 +1,116 @@
+"""Gradient sync over the dp axis: flat buckets all-reduced while backward is still running.
+
+Each bucket is one flat buffer; every parameter's `.grad` is a view into it, so autograd
+accumulates straight into the buffer and the all-reduce needs no copy. Buckets are filled
+in reverse parameter order (the order backward produces gradients), and a bucket's
+all-reduce starts, asynchronously, as soon as its last gradient of the step has arrived.
+The loss is pre-scaled by each replica's share of the global batch, so the sum over dp is
+the gradient of the global-batch loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__: list[str] = []
+
+
+@dataclass
+class _Bucket:
+    flat: torch.Tensor
+    params: list[nn.Parameter]
+    arrivals: int = 0
+    work: Any = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+class GradientSync:
+    """Sum gradients over `group` in buckets of about `bucket_mb` MiB, overlapping backward."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_mb: float):
+        self.group = group
+        self.active = dist.get_world_size(group) > 1
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
+        self._view_of: dict[nn.Parameter, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        self._expected = 1
+        trainable = [p for p in params if p.requires_grad]
+        for chunk in _chunks(list(reversed(trainable)), int(bucket_mb * 2**20)):
+            self._add_bucket(chunk)
+
+    def _add_bucket(self, params: list[nn.Parameter]) -> None:
+        first = params[0]
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        bucket = _Bucket(flat=flat, params=params)
+        offset = 0
+        for p in params:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad = view
+            bucket.views.append(view)
+            self._bucket_of[p] = bucket
+            self._view_of[p] = view
+            if self.active:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._arrived))
+        self.buckets.append(bucket)
+
+    def begin_step(self, backward_passes: int) -> None:
+        """Announce how many backward passes (micro-batches) reach each parameter this step."""
+        self._expected = backward_passes
+
+    def _arrived(self, param: torch.Tensor) -> None:
+        view = self._view_of[param]  # type: ignore[index]
+        if param.grad is not None and param.grad is not view:  # .grad was reset: fold it back
+            view.copy_(param.grad)
+            param.grad = view
+        bucket = self._bucket_of[param]  # type: ignore[index]
+        bucket.arrivals += 1
+        if bucket.arrivals == self._expected * len(bucket.params):
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce; reduce now those a parameter never reached."""
+        for bucket in self.buckets:
+            if self.active:
+                if bucket.work is None:
+                    dist.all_reduce(bucket.flat, group=self.group)
+                else:
+                    bucket.work.wait()
+            bucket.work = None
+            bucket.arrivals = 0
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        """Zero the buffers in place; the gradients stay views into them."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+
+    def gradient_bytes(self) -> int:
+        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def _chunks(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive groups of parameters of one dtype and device, each at most cap_bytes (or one)."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        same_kind = groups and (groups[-1][0].dtype, groups[-1][0].device) == (p.dtype, p.device)
+        if not same_kind or size + nbytes > cap_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups

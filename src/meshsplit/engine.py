@@ -1,0 +1,205 @@
+"""The Engine: one training step on the global batch, whatever the split, and `parallelize`.
+
+`parallelize(model, plan)` applies the plan in one order — operator split, layer split,
+memory policy, data-parallel sync, optimizer — each step knowing nothing of the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit.data_parallel import GradientSync
+from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
+from meshsplit.mesh import Mesh
+from meshsplit.plan import Plan, PlanError
+from meshsplit.runner import LocalRunner, LossFn, Runner
+
+__all__ = ["Engine", "parallelize"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+) -> Engine:
+    """Split `model` over the running processes as `plan` says and return its Engine.
+
+    Every rank must call this with the same model built the same way; rank 0's initial
+    parameters are broadcast so all replicas and shards start from one model.
+    """
+    mesh = Mesh.build(plan)
+    if plan.pp > 1 or plan.tp > 1:
+        raise PlanError(
+            f"Plan pp={plan.pp}, tp={plan.tp}: layer split and operator split are not available "
+            "in this version; use pp=1, tp=1 (data parallel)"
+        )
+    model = model.to(mesh.device)
+    _broadcast_from_first_rank(model)
+    loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+    runner = LocalRunner(model, loss_fn, plan.micro_batches)
+    sync = GradientSync(list(runner.parameters()), mesh.group("dp"), plan.bucket_mb)
+    make_optimizer = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
+    return Engine(
+        plan=plan,
+        mesh=mesh,
+        runner=runner,
+        sync=sync,
+        loss_fn=loss_fn,
+        optimizer=make_optimizer(list(runner.parameters())),
+    )
+
+
+def _broadcast_from_first_rank(model: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    if dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+class Engine:
+    """Trains one model split over the mesh; every method is called on every rank."""
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        mesh: Mesh,
+        runner: Runner,
+        sync: GradientSync,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        self.plan = plan
+        self.mesh = mesh
+        self.runner = runner
+        self.sync = sync
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.steps = 0
+
+    @property
+    def module(self) -> nn.Module:
+        """This process's part of the model."""
+        return self.runner.module
+
+    def _replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This dp replica's contiguous slice of a global batch."""
+        return batch.tensor_split(self.plan.dp)[self.mesh.rank("dp")].to(self.mesh.device)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the global batch; its mean loss, the same on every rank."""
+        self.plan.check_batch(len(inputs))
+        if len(targets) != len(inputs):
+            raise ValueError(f"inputs have {len(inputs)} rows but targets have {len(targets)}")
+        self.module.train()
+        self.sync.begin_step(self.runner.backward_passes())
+        loss = self.runner.train_batch(
+            self._replica_rows(inputs), self._replica_rows(targets), len(inputs)
+        )
+        self.sync.finish()
+        self.optimizer.step()
+        self.sync.zero_grad()
+        self.steps += 1
+        dist.all_reduce(loss, group=self.mesh.group("dp"))
+        return float(loss.item())
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
+        self.module.eval()
+        rows = inputs.tensor_split(self.plan.dp)
+        mine = self.runner.forward(rows[self.mesh.rank("dp")].to(self.mesh.device))
+        if self.plan.dp == 1:
+            return mine
+        longest = len(rows[0])
+        padded = mine.new_zeros((longest, *mine.shape[1:]))
+        padded[: len(mine)] = mine
+        gathered = mine.new_empty((self.plan.dp * longest, *mine.shape[1:]))
+        dist.all_gather_single(gathered, padded, group=self.mesh.group("dp"))
+        pieces = gathered.split(longest)
+        return torch.cat([piece[: len(part)] for piece, part in zip(pieces, rows, strict=True)])
+
+    @torch.no_grad()
+    def evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
+    ) -> dict[str, float]:
+        """Mean loss and accuracy (argmax of the last dimension) over a dataset."""
+        total_loss, correct, positions = 0.0, 0, 0
+        for start in range(0, len(inputs), batch_size):
+            x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
+            output = self.predict(x).cpu()
+            total_loss += float(self.loss_fn(output, y)) * len(y)
+            correct += int((output.argmax(-1) == y).sum())
+            positions += y.numel()
+        return {"loss": total_loss / len(inputs), "accuracy": correct / positions}
+
+    def fit(
+        self,
+        dataset: tuple[torch.Tensor, torch.Tensor],
+        *,
+        epochs: int,
+        batch_size: int,
+        eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        seed: int = 0,
+        show: bool = True,
+    ) -> list[dict[str, float]]:
+        """Train for `epochs` over shuffled global batches; one metrics row per epoch."""
+        from meshsplit.training import fit
+
+        return fit(
+            self,
+            dataset,
+            epochs=epochs,
+            batch_size=batch_size,
+            eval_data=eval_data,
+            seed=seed,
+            show=show,
+        )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit model's state dict (same keys and shapes as the original), on CPU."""
+        local = {k: v.detach().cpu().clone() for k, v in self.runner.local_state_dict().items()}
+        if self.plan.pp == 1:
+            return local
+        parts: list[Any] = [None] * self.plan.pp
+        dist.all_gather_object(parts, local, group=self.mesh.group("pp"))
+        return {key: value for part in parts for key, value in part.items()}
+
+    def memory_report(self) -> MemoryReport:
+        """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""
+        return MemoryReport(
+            rank=dist.get_rank(),
+            peak_bytes=peak_bytes(self.mesh.device),
+            parameter_bytes=tensor_bytes(self.runner.parameters()),
+            gradient_bytes=self.sync.gradient_bytes(),
+            optimizer_bytes=optimizer_bytes(self.optimizer),
+            device=str(self.mesh.device),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The plan and where each part of the model runs."""
+        return {
+            "plan": self.plan.as_dict(),
+            "stages": [
+                {
+                    "stage": 0,
+                    "layers": [name for name, _ in self.module.named_children()],
+                    "parameters": sum(p.numel() for p in self.runner.parameters()),
+                }
+            ],
+        }
+
+    def close(self) -> None:
+        """Release hooks and buffers; the process group stays for the caller."""
+        self.sync.close()

@@ -1,0 +1,255 @@
+"""Run a function in N local worker processes (or join a torchrun job); a failure ends the job.
+
+Local workers meet through a `torch.distributed.TCPStore` that this process hosts on a free
+port of 127.0.0.1, so no port is guessed. Each worker writes its return value (or its
+traceback) to a file in a private temporary folder; the parent watches every worker's
+process sentinel, and the first failure stops all the others within seconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing import connection, get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WorkerError", "launch"]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
+_GRACE_S = 3.0
+_PR_SET_PDEATHSIG = 1
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; carries its rank, the error type and its traceback."""
+
+    def __init__(self, rank: int, error_type: str, message: str, traceback_text: str) -> None:
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+        self.traceback = traceback_text
+        super().__init__(f"worker rank {rank} failed: {error_type}: {message}\n{traceback_text}")
+
+
+def in_torchrun() -> bool:
+    """True inside a worker started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_backend(local_workers: int) -> str:
+    """NCCL when every local worker can own a GPU, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_workers:
+        return "nccl"
+    return "gloo"
+
+
+def threads_per_worker(local_workers: int) -> int:
+    """Split this machine's cores between local workers so they do not oversubscribe them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_workers)
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str | None = None,
+) -> list[Any]:
+    """Run fn(*args, **kwargs) in nprocs workers joined by torch.distributed; return values by rank.
+
+    Inside a torchrun worker, join that job instead and return every rank's value (gathered).
+    Raises WorkerError naming the first rank that raised or died.
+    """
+    kwargs = kwargs or {}
+    if in_torchrun():
+        return _join_torchrun(fn, args, kwargs, timeout_s, backend)
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    backend = backend or default_backend(nprocs)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        nprocs + 1,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    context = get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="meshsplit-") as folder:
+        workdir = Path(folder)
+        processes = [
+            context.Process(
+                target=_local_worker,
+                args=(rank, nprocs, store.port, backend, timeout_s, workdir, fn, args, kwargs),
+                name=f"meshsplit-rank{rank}",
+            )
+            for rank in range(nprocs)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            _watch(processes, workdir)
+            return [_load_result(workdir, rank) for rank in range(nprocs)]
+        finally:
+            _stop(processes)
+            del store
+
+
+def _watch(processes: list[Any], workdir: Path) -> None:
+    """Wait for all workers; on the first failure stop the rest and raise for the root cause."""
+    alive = {process.sentinel: rank for rank, process in enumerate(processes)}
+    while alive:
+        for sentinel in connection.wait(list(alive)):
+            rank = alive.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                failures = [_failure(processes[rank], rank, workdir, time.time())]
+                deadline = time.time() + 1.0
+                for other, process in enumerate(processes):
+                    if other in alive.values():
+                        process.join(max(0.0, deadline - time.time()))
+                        if process.exitcode not in (None, 0):
+                            failures.append(_failure(process, other, workdir, time.time()))
+                raise min(failures, key=lambda pair: pair[0])[1]
+
+
+def _failure(process: Any, rank: int, workdir: Path, seen_at: float) -> tuple[float, WorkerError]:
+    """The failure of one worker and when it happened (its own report, or when we saw it die)."""
+    report = workdir / f"rank{rank}.error.json"
+    if report.exists():
+        info = json.loads(report.read_text())
+        error = WorkerError(rank, info["type"], info["message"], info["traceback"])
+        return info["time"], error
+    code = process.exitcode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return seen_at, WorkerError(rank, "Killed", f"killed by signal {name}", "")
+    return seen_at, WorkerError(rank, "Exit", f"exited with code {code} without a report", "")
+
+
+def _stop(processes: list[Any]) -> None:
+    """Terminate workers still running, then kill those that ignore it; leave none behind."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.time() + _GRACE_S
+    for process in processes:
+        if process.pid is not None:
+            process.join(max(0.0, deadline - time.time()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _load_result(workdir: Path, rank: int) -> Any:
+    return torch.load(workdir / f"rank{rank}.result.pt", weights_only=False)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker if the launching process dies, so none is orphaned."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _local_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    workdir: Path,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    _die_with_parent()
+    torch.set_num_threads(threads_per_worker(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("meshsplit", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+        result = fn(*args, **kwargs)
+        _save_atomically(result, workdir / f"rank{rank}.result.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as error:  # report every failure, then leave at once
+        report = {
+            "time": time.time(),
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": traceback.format_exc(),
+        }
+        (workdir / f"rank{rank}.error.json").write_text(json.dumps(report))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _save_atomically(value: Any, path: Path) -> None:
+    partial = path.with_suffix(".partial")
+    torch.save(value, partial)
+    os.replace(partial, path)
+
+
+def _join_torchrun(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    backend: str | None,
+) -> list[Any]:
+    """Join the torchrun job this process belongs to, run fn, and gather every rank's value."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = backend or default_backend(local_workers)
+    torch.set_num_threads(threads_per_worker(local_workers))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = timedelta(seconds=timeout_s)
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    # A restarted worker must not meet the keys its previous incarnation left in the store.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"meshsplit/restart{restart}", store)
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
+    )
+    result = fn(*args, **kwargs)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    dist.barrier()
+    dist.destroy_process_group()
+    return gathered

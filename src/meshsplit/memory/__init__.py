@@ -1,0 +1,1 @@
+"""Where each byte lives: reports now; budgets, recomputation and offload build on them."""

@@ -1,0 +1,64 @@
+"""The dp x pp x tp device mesh: named process groups, passed to whatever needs them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshsplit.plan import Plan
+
+__all__: list[str] = []
+
+AXES = ("dp", "pp", "tp")
+"""Mesh axes, outermost first: tp ranks are neighbours, so operator-split traffic stays local."""
+
+
+def ensure_process_group() -> None:
+    """Start a one-process gloo group when the caller runs outside `launch` (plain `python`)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place on the dp x pp x tp mesh and the groups along each axis."""
+
+    device_mesh: DeviceMesh
+    device: torch.device
+
+    @classmethod
+    def build(cls, plan: Plan) -> Mesh:
+        """Create the mesh for `plan` on the running process group (every rank must call this)."""
+        ensure_process_group()
+        plan.check_world(dist.get_world_size())
+        on_gpu = dist.get_backend() == "nccl"
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        )
+        device_mesh = init_device_mesh(
+            device.type, (plan.dp, plan.pp, plan.tp), mesh_dim_names=AXES
+        )
+        return cls(device_mesh=device_mesh, device=device)
+
+    def size(self, axis: str) -> int:
+        return self.device_mesh.size(AXES.index(axis))
+
+    def rank(self, axis: str) -> int:
+        """This process's coordinate along `axis`."""
+        return self.device_mesh.get_local_rank(axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.device_mesh.get_group(axis)
+
+    def global_rank(self, **coordinates: int) -> int:
+        """The global rank at this process's coordinates, with some replaced (e.g. pp=stage+1)."""
+        index = [coordinates.get(axis, self.rank(axis)) for axis in AXES]
+        return int(self.device_mesh.mesh[tuple(index)].item())
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Rank 0 of the whole job: the one that prints."""
+        return dist.get_rank() == 0

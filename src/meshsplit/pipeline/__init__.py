@@ -1,0 +1,1 @@
+"""Layer split: consecutive layers as pipeline stages, micro-batches flowing through them."""

@@ -1,0 +1,123 @@
+"""The Plan: how one model is split over dp x pp x tp processes, checked before work starts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Plan", "PlanError"]
+
+SCHEDULES = ("1f1b", "gpipe")
+CHECKPOINT_POLICIES = ("never", "except_last", "always")
+
+
+class PlanError(ValueError):
+    """A plan that cannot work; the message names the field, the values and a fix."""
+
+
+def divisors(n: int) -> list[int]:
+    """The sizes that divide n evenly, for error messages that list what would work."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Mesh shape and options; dp * pp * tp processes run one model."""
+
+    dp: int = 1
+    """Data-parallel replicas: each takes 1/dp of the global batch."""
+    pp: int = 1
+    """Pipeline stages (layer split): consecutive layers on different processes."""
+    tp: int = 1
+    """Operator-split width: each split operator's weight is divided over tp processes."""
+    micro_batches: int = 1
+    """Micro-batches per step on each data-parallel replica (the pipeline's unit of work)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: '1f1b' (bounded activations) or 'gpipe' (all forwards, then backwards)."""
+    stages: tuple[int, ...] | None = None
+    """Layers per pipeline stage, overriding the profile-balanced split (len == pp)."""
+    checkpoint: str = "never"
+    """Activation recomputation inside stages: 'never', 'except_last' or 'always'."""
+    tp_plan: Mapping[str, str] | None = field(default=None, hash=False)
+    """Per-module operator split overriding the automatic rule, e.g. {'fc1': 'column'}."""
+    zero: bool = False
+    """Shard optimizer state over dp (ZeRO stage 1)."""
+    bucket_mb: float = 25.0
+    """Size of the gradient all-reduce buckets over dp, in MiB."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(
+                    f"Plan.{name}={value!r} must be a positive integer; use {name}=1 or more"
+                )
+        if self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"Plan.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
+            )
+        if self.checkpoint not in CHECKPOINT_POLICIES:
+            raise PlanError(
+                f"Plan.checkpoint={self.checkpoint!r} is unknown; "
+                f"use one of {', '.join(CHECKPOINT_POLICIES)}"
+            )
+        if self.stages is not None:
+            stages = tuple(self.stages)
+            object.__setattr__(self, "stages", stages)
+            if len(stages) != self.pp or any(not isinstance(n, int) or n < 1 for n in stages):
+                raise PlanError(
+                    f"Plan.stages={list(stages)} must give a positive layer count for each of "
+                    f"pp={self.pp} stages; e.g. stages={[1] * self.pp} or leave it None"
+                )
+        if self.bucket_mb <= 0:
+            raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
+
+    @property
+    def world_size(self) -> int:
+        """Processes this plan needs."""
+        return self.dp * self.pp * self.tp
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a plan whose mesh does not cover exactly `world_size` processes."""
+        if self.world_size != world_size:
+            rest = self.pp * self.tp
+            fix = f"dp={world_size // rest}, " if world_size % rest == 0 else ""
+            raise PlanError(
+                f"Plan dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} does not match "
+                f"{world_size} processes; use {fix}a plan whose dp*pp*tp == {world_size}, "
+                f"or launch {self.world_size} processes"
+            )
+
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a global batch that does not split into dp replicas of micro_batches each."""
+        need = self.dp * self.micro_batches
+        if batch_size % need != 0:
+            closest = max(need, round(batch_size / need) * need)
+            raise PlanError(
+                f"global batch {batch_size} is not divisible by dp*micro_batches = "
+                f"{self.dp}*{self.micro_batches} = {need}; use a batch size that is a multiple "
+                f"of {need} (e.g. {closest}) or fewer micro_batches"
+            )
+
+    def describe(self) -> str:
+        """A short label such as 'dp2 pp2 tp1 m4 1f1b'."""
+        text = f"dp{self.dp} pp{self.pp} tp{self.tp}"
+        if self.pp > 1 or self.micro_batches > 1:
+            text += f" m{self.micro_batches}"
+        if self.pp > 1:
+            text += f" {self.schedule}"
+        return text
+
+    def as_dict(self) -> dict[str, object]:
+        """The plan as plain JSON-ready values."""
+        return {
+            "dp": self.dp,
+            "pp": self.pp,
+            "tp": self.tp,
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+            "stages": list(self.stages) if self.stages else None,
+            "checkpoint": self.checkpoint,
+            "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
+            "zero": self.zero,
+        }

@@ -1,0 +1,1 @@
+"""Operator split: one operator's weight divided over the tp axis."""

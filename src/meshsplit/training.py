@@ -1,0 +1,100 @@
+"""The training loop behind `Engine.fit`: shuffled global batches, a progress bar, epoch metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from meshsplit.engine import Engine
+
+__all__: list[str] = []
+
+
+def fit(
+    engine: Engine,
+    dataset: tuple[torch.Tensor, torch.Tensor],
+    *,
+    epochs: int,
+    batch_size: int,
+    eval_data: tuple[torch.Tensor, torch.Tensor] | None,
+    seed: int,
+    show: bool,
+) -> list[dict[str, float]]:
+    """Train `epochs` passes; rank 0 shows progress and returns the same rows as every rank.
+
+    Every rank draws the same shuffle from `seed`, so all take part in the same global batch.
+    The last partial batch of an epoch is dropped: it may not split over the plan.
+    """
+    inputs, targets = dataset
+    engine.plan.check_batch(batch_size)
+    batches = len(inputs) // batch_size
+    if batches == 0:
+        raise ValueError(f"batch_size={batch_size} exceeds the {len(inputs)} samples")
+    generator = torch.Generator().manual_seed(seed)
+    show = show and engine.mesh.is_first_rank
+    console = Console()
+    history: list[dict[str, float]] = []
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+        disable=not show,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("train", total=epochs * batches, status="")
+        for epoch in range(1, epochs + 1):
+            order = torch.randperm(len(inputs), generator=generator)
+            started, losses = time.perf_counter(), []
+            for index in range(batches):
+                rows = order[index * batch_size : (index + 1) * batch_size]
+                losses.append(engine.train_step(inputs[rows], targets[rows]))
+                progress.update(task, advance=1, status=f"epoch {epoch} loss {losses[-1]:.4f}")
+            elapsed = time.perf_counter() - started
+            row = {
+                "epoch": float(epoch),
+                "loss": sum(losses) / len(losses),
+                "samples_per_second": batches * batch_size / elapsed,
+            }
+            if eval_data is not None:
+                scores = engine.evaluate(*eval_data)
+                row["test_loss"], row["test_accuracy"] = scores["loss"], scores["accuracy"]
+            history.append(row)
+            if show:
+                progress.console.print(_epoch_line(row, epochs))
+    if show:
+        console.print(epoch_table(history))
+    return history
+
+
+def _epoch_line(row: dict[str, float], epochs: int) -> str:
+    text = f"epoch {int(row['epoch'])}/{epochs}  loss {row['loss']:.4f}"
+    if "test_accuracy" in row:
+        text += f"  test accuracy {row['test_accuracy']:.4f}"
+    return text + f"  {row['samples_per_second']:.0f} samples/s"
+
+
+def epoch_table(history: list[dict[str, float]]) -> Table:
+    """One row per epoch: loss, test loss and accuracy, throughput."""
+    table = Table(title="training")
+    columns = [
+        ("epoch", "{:.0f}"),
+        ("loss", "{:.4f}"),
+        ("test_loss", "{:.4f}"),
+        ("test_accuracy", "{:.4f}"),
+        ("samples_per_second", "{:.0f}"),
+    ]
+    present = [(name, fmt) for name, fmt in columns if name in history[0]]
+    for name, _ in present:
+        table.add_column(name.replace("_", " "), justify="right")
+    for row in history:
+        table.add_row(*(fmt.format(row[name]) for name, fmt in present))
+    return table

@@ -1,0 +1,101 @@
+"""Single-process PyTorch training: the ground truth every strategy must match."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import meshsplit as ms
+
+RTOL, ATOL = 1e-5, 1e-6
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    # Adam divides by sqrt(v) + eps, so a gradient that cancels to ~0 turns float summation-order
+    # noise (any split of the batch has it) into a visible update; eps=1e-6 bounds that gain.
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01),
+}
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": ms.models.mlp,
+    "cnn": ms.models.cnn,
+    "small_mlp": lambda: ms.models.mlp((784, 64, 32, 16, 10)),
+    "transformer": lambda: ms.models.transformer(
+        vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=8
+    ),
+}
+
+
+def build(model_name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[model_name]()
+
+
+def loss_for(model_name: str) -> nn.Module:
+    return ms.models.TokenCrossEntropy() if model_name == "transformer" else nn.CrossEntropyLoss()
+
+
+def batches(model_name: str, batch: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed global batches, the same in every process."""
+    if model_name == "transformer":
+        x, y = ms.data.synthetic_tokens(batch * steps, seq_len=8, vocab_size=64, seed=1)
+    else:
+        x, y = ms.data.synthetic_images(batch * steps, seed=1)
+    return list(zip(x.split(batch), y.split(batch), strict=True))
+
+
+def train_single(
+    model_name: str, optimizer: str, batch: int = 16, steps: int = 3
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final state of plain training in this process."""
+    model = build(model_name)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    loss_fn = loss_for(model_name)
+    losses = []
+    for x, y in batches(model_name, batch, steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_parallel(
+    model_name: str, optimizer: str, plan: ms.Plan, batch: int = 16, steps: int = 3
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training through meshsplit; runs inside every worker."""
+    engine = ms.parallelize(
+        build(model_name), plan, optimizer=OPTIMIZERS[optimizer], loss_fn=loss_for(model_name)
+    )
+    losses = [engine.train_step(x, y) for x, y in batches(model_name, batch, steps)]
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state
+
+
+def assert_matches(
+    results: list[tuple[list[float], dict[str, torch.Tensor]]],
+    expected: tuple[list[float], dict[str, torch.Tensor]],
+) -> None:
+    """Every rank's losses and full state equal the single-process run."""
+    want_losses, want_state = expected
+    for rank, (losses, state) in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(want_losses),
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, rank=rank: f"rank {rank} losses: {m}",
+        )
+        assert state.keys() == want_state.keys(), f"rank {rank} state keys differ"
+        for key, value in want_state.items():
+            torch.testing.assert_close(
+                state[key],
+                value,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}",
+            )

@@ -1,0 +1,44 @@
+"""`meshsplit train`: trains, writes metrics, and turns a bad plan into one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _meshsplit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshsplit", *args], capture_output=True, text=True, timeout=240
+    )
+
+
+def test_train_mlp_reaches_accuracy_and_writes_metrics(tmp_path) -> None:
+    out = tmp_path / "m.json"
+    done = _meshsplit("train", "--model", "mlp", "--dp", "2", "--metrics-out", str(out))
+    assert done.returncode == 0, done.stderr
+    metrics = json.loads(out.read_text())
+    assert metrics["test_accuracy"] >= 0.90
+    assert metrics["plan"]["dp"] == 2
+    assert len(metrics["peak_memory_bytes"]) == 2
+    for key in ("final_loss", "samples_per_second"):
+        assert metrics[key] > 0
+    assert "test accuracy" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--dp", "0"], "Plan.dp=0"),
+        (["--dp", "3", "--batch-size", "64"], "global batch 64"),
+        (["--schedule", "zigzag"], "Plan.schedule"),
+    ],
+)
+def test_bad_plan_is_one_clear_line(args: list[str], words: str) -> None:
+    done = _meshsplit("train", "--model", "mlp", *args)
+    assert done.returncode == 2
+    assert words in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 3  # one message, wrapped at most

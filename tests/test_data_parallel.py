@@ -1,0 +1,60 @@
+"""Data parallel equals single-process training on the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshsplit as ms
+
+from reference import assert_matches, train_parallel, train_single
+
+CASES = [(model, opt) for model in ("mlp", "cnn") for opt in ("sgd", "adamw")]
+
+
+def _all_cases(dp: int) -> list:
+    return [train_parallel(model, opt, ms.Plan(dp=dp)) for model, opt in CASES]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_data_parallel_matches_single_process(dp: int) -> None:
+    per_rank = ms.launch(_all_cases, dp, args=(dp,))
+    for index, case in enumerate(CASES):
+        assert_matches([rank_results[index] for rank_results in per_rank], train_single(*case))
+
+
+def _with_micro_batches() -> tuple:
+    return train_parallel("small_mlp", "adamw", ms.Plan(dp=2, micro_batches=4))
+
+
+def test_micro_batches_accumulate_to_one_step() -> None:
+    assert_matches(ms.launch(_with_micro_batches, 2), train_single("small_mlp", "adamw"))
+
+
+def _predict_and_report() -> tuple:
+    torch.manual_seed(0)
+    engine = ms.parallelize(ms.models.mlp((784, 32, 10)), ms.Plan(dp=2))
+    inputs = torch.randn(7, 784)  # 7 rows: uneven over 2 replicas
+    output = engine.predict(inputs)
+    report = engine.memory_report()
+    engine.train_step(torch.randn(8, 784), torch.randint(0, 10, (8,)))
+    after = engine.memory_report()
+    engine.close()
+    return output, report, after
+
+
+def test_predict_returns_full_output_and_report_counts_bytes() -> None:
+    results = ms.launch(_predict_and_report, 2)
+    torch.manual_seed(0)
+    model = ms.models.mlp((784, 32, 10)).eval()
+    torch.manual_seed(0)  # same draw order as the worker: model first, then inputs
+    ms.models.mlp((784, 32, 10))
+    expected = model(torch.randn(7, 784)).detach()
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    for output, before, after in results:
+        torch.testing.assert_close(output, expected)
+        assert before.parameter_bytes == param_bytes
+        assert before.gradient_bytes == param_bytes
+        assert before.optimizer_bytes == 0
+        assert after.optimizer_bytes >= 2 * param_bytes  # Adam: two moments per parameter
+        assert after.peak_bytes > param_bytes

@@ -1,0 +1,84 @@
+"""ms.launch: results in rank order; a failing or killed worker ends the job fast, leaving none."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshsplit as ms
+
+
+def _rank_and_tensor(offset: int) -> tuple[int, torch.Tensor]:
+    value = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(value)
+    return dist.get_rank(), torch.full((1_000_000,), float(dist.get_rank()))
+
+
+def test_results_come_back_in_rank_order_by_value() -> None:
+    results = ms.launch(_rank_and_tensor, 3, args=(1,))
+    assert [rank for rank, _ in results] == [0, 1, 2]
+    for rank, big in results:
+        assert big.shape == (1_000_000,) and float(big[0]) == rank
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def test_workers_split_the_cores() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert ms.launch(_threads, 2) == [max(1, cores // 2)] * 2
+
+
+def _fail_on(rank: int, how: str, folder: str) -> None:
+    Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    dist.barrier()
+    if dist.get_rank() == rank:
+        if how == "raise":
+            raise RuntimeError(f"deliberate failure on rank {rank}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # the others wait here for the failed peer
+    time.sleep(60)  # never reached when the failure ends the job
+
+
+@pytest.mark.parametrize(("how", "rank"), [("raise", 1), ("sigkill", 2)])
+def test_failing_worker_raises_worker_error_naming_rank(how: str, rank: int, tmp_path) -> None:
+    started = time.monotonic()
+    with pytest.raises(ms.WorkerError) as caught:
+        ms.launch(_fail_on, 4, args=(rank, how, str(tmp_path)), timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert caught.value.rank == rank
+    if how == "raise":
+        assert caught.value.error_type == "RuntimeError"
+        assert "deliberate failure on rank 1" in caught.value.traceback
+    else:
+        assert "SIGKILL" in str(caught.value)
+    for pid_file in tmp_path.glob("*.pid"):
+        pid = int(pid_file.read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _stuck_collective() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(30)  # alive but never joins the all-reduce
+    dist.all_reduce(torch.ones(1))
+
+
+def test_stuck_peer_times_out_instead_of_hanging() -> None:
+    started = time.monotonic()
+    with pytest.raises(ms.WorkerError) as caught:
+        ms.launch(_stuck_collective, 2, timeout_s=3)
+    assert time.monotonic() - started < 25
+    assert caught.value.rank == 1
+
+
+def test_launch_rejects_bad_process_count() -> None:
+    with pytest.raises(ValueError, match="nprocs"):
+        ms.launch(_threads, 0)

@@ -1,0 +1,50 @@
+"""Every bad plan is refused with a PlanError that names the field and a fix."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshsplit as ms
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"dp": 0}, ["Plan.dp=0", "positive"]),
+        ({"pp": -1}, ["Plan.pp=-1"]),
+        ({"tp": 1.5}, ["Plan.tp=1.5"]),
+        ({"micro_batches": 0}, ["Plan.micro_batches=0"]),
+        ({"schedule": "zigzag"}, ["Plan.schedule='zigzag'", "1f1b", "gpipe"]),
+        ({"checkpoint": "sometimes"}, ["Plan.checkpoint='sometimes'", "except_last"]),
+        ({"pp": 2, "stages": (3,)}, ["Plan.stages=[3]", "pp=2"]),
+    ],
+)
+def test_bad_fields_are_refused(fields: dict, words: list[str]) -> None:
+    with pytest.raises(ms.PlanError) as caught:
+        ms.Plan(**fields)
+    for word in words:
+        assert word in str(caught.value)
+
+
+def test_plan_error_is_a_value_error() -> None:
+    assert issubclass(ms.PlanError, ValueError)
+
+
+def test_world_size_must_match_processes() -> None:
+    with pytest.raises(ms.PlanError, match=r"dp\*pp\*tp = 2\*1\*1 = 2 does not match 4.*dp=4"):
+        ms.Plan(dp=2).check_world(4)
+    ms.Plan(dp=4).check_world(4)
+
+
+def test_batch_must_split_into_replicas_and_micro_batches() -> None:
+    with pytest.raises(ms.PlanError, match=r"global batch 30 .* dp\*micro_batches = 4\*2 = 8"):
+        ms.Plan(dp=4, micro_batches=2).check_batch(30)
+    ms.Plan(dp=4, micro_batches=2).check_batch(32)
+
+
+def test_plan_is_frozen_and_keyword_only() -> None:
+    plan = ms.Plan(dp=2)
+    with pytest.raises(AttributeError):
+        plan.dp = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ms.Plan(2)  # type: ignore[misc]
