@@ -7,6 +7,7 @@ memory policy, data-parallel sync, optimizer — each step knowing nothing of th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,11 +31,14 @@ def parallelize(
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
+    example_inputs: torch.Tensor | None = None,
 ) -> Engine:
     """Split `model` over the running processes as `plan` says and return its Engine.
 
     Every rank must call this with the same model built the same way; rank 0's initial
-    parameters are broadcast so all replicas and shards start from one model.
+    parameters are broadcast so all replicas and shards start from one model. A layer split
+    profiles the model on `example_inputs` (one micro-batch); without them it waits for the
+    first batch the engine sees.
     """
     mesh = Mesh.build(plan)
     if plan.pp > 1 or plan.tp > 1:
@@ -44,18 +48,21 @@ def parallelize(
         )
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
-    loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-    runner = LocalRunner(model, loss_fn, plan.micro_batches)
-    sync = GradientSync(list(runner.parameters()), mesh.group("dp"), plan.bucket_mb)
-    make_optimizer = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
-    return Engine(
+    loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+
+    def build_runner(example: torch.Tensor | None) -> Runner:
+        return LocalRunner(model, loss, plan.micro_batches)
+
+    engine = Engine(
         plan=plan,
         mesh=mesh,
-        runner=runner,
-        sync=sync,
-        loss_fn=loss_fn,
-        optimizer=make_optimizer(list(runner.parameters())),
+        build_runner=build_runner,
+        loss_fn=loss,
+        make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
     )
+    if plan.pp == 1 or example_inputs is not None:
+        engine.build(example_inputs)
+    return engine
 
 
 def _broadcast_from_first_rank(model: nn.Module) -> None:
@@ -75,23 +82,57 @@ class Engine:
         *,
         plan: Plan,
         mesh: Mesh,
-        runner: Runner,
-        sync: GradientSync,
+        build_runner: Callable[[torch.Tensor | None], Runner],
         loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer,
+        make_optimizer: OptimizerFactory,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
-        self.runner = runner
-        self.sync = sync
         self.loss_fn = loss_fn
-        self.optimizer = optimizer
         self.steps = 0
+        self._build_runner = build_runner
+        self._make_optimizer = make_optimizer
+        self._parts: _Parts | None = None
+
+    def build(self, example_inputs: torch.Tensor | None) -> _Parts:
+        """Create this rank's runner, gradient sync and optimizer (once; the same on all ranks)."""
+        if self._parts is not None:
+            return self._parts
+        runner = self._build_runner(example_inputs)
+        params = list(runner.parameters())
+        self._parts = _Parts(
+            runner=runner,
+            sync=GradientSync(params, self.mesh.group("dp"), self.plan.bucket_mb),
+            optimizer=self._make_optimizer(params),
+        )
+        return self._parts
+
+    def _built(self, batch: torch.Tensor | None = None) -> _Parts:
+        """The split model, built now from one micro-batch of `batch` if not built yet."""
+        if self._parts is not None:
+            return self._parts
+        example = None
+        if batch is not None:
+            rows = self._replica_rows(batch)
+            example = rows[: max(1, len(rows) // self.plan.micro_batches)]
+        return self.build(example)
 
     @property
     def module(self) -> nn.Module:
         """This process's part of the model."""
         return self.runner.module
+
+    @property
+    def runner(self) -> Runner:
+        return self._built().runner
+
+    @property
+    def sync(self) -> GradientSync:
+        return self._built().sync
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._built().optimizer
 
     def _replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This dp replica's contiguous slice of a global batch."""
@@ -102,14 +143,15 @@ class Engine:
         self.plan.check_batch(len(inputs))
         if len(targets) != len(inputs):
             raise ValueError(f"inputs have {len(inputs)} rows but targets have {len(targets)}")
-        self.module.train()
-        self.sync.begin_step(self.runner.backward_passes())
-        loss = self.runner.train_batch(
+        parts = self._built(inputs)
+        parts.runner.module.train()
+        parts.sync.begin_step(parts.runner.backward_passes())
+        loss = parts.runner.train_batch(
             self._replica_rows(inputs), self._replica_rows(targets), len(inputs)
         )
-        self.sync.finish()
-        self.optimizer.step()
-        self.sync.zero_grad()
+        parts.sync.finish()
+        parts.optimizer.step()
+        parts.sync.zero_grad()
         self.steps += 1
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
@@ -117,9 +159,10 @@ class Engine:
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
-        self.module.eval()
+        runner = self._built(inputs).runner
+        runner.module.eval()
         rows = inputs.tensor_split(self.plan.dp)
-        mine = self.runner.forward(rows[self.mesh.rank("dp")].to(self.mesh.device))
+        mine = runner.forward(rows[self.mesh.rank("dp")].to(self.mesh.device))
         if self.plan.dp == 1:
             return mine
         longest = len(rows[0])
@@ -202,4 +245,14 @@ class Engine:
 
     def close(self) -> None:
         """Release hooks and buffers; the process group stays for the caller."""
-        self.sync.close()
+        if self._parts is not None:
+            self._parts.sync.close()
+
+
+@dataclass
+class _Parts:
+    """What exists once the model is split: this rank's runner, its grad sync, its optimizer."""
+
+    runner: Runner
+    sync: GradientSync
+    optimizer: torch.optim.Optimizer
