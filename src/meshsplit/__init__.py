@@ -1,12 +1,14 @@
 """meshsplit: train one PyTorch model on many devices (data, layer and operator split)."""
 
 from meshsplit import data, models
+from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.memory.report import MemoryReport
 from meshsplit.plan import Plan, PlanError
 
 __all__ = [
+    "CheckpointError",
     "Engine",
     "MemoryReport",
     "Plan",
@@ -14,6 +16,7 @@ __all__ = [
     "WorkerError",
     "data",
     "launch",
+    "load_full_state_dict",
     "models",
     "parallelize",
 ]

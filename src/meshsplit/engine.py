@@ -6,14 +6,17 @@ memory policy, data-parallel sync, optimizer — each step knowing nothing of th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshsplit import checkpoint
 from meshsplit.data_parallel import GradientSync
 from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
 from meshsplit.mesh import Mesh
@@ -90,6 +93,8 @@ class Engine:
         self.mesh = mesh
         self.loss_fn = loss_fn
         self.steps = 0
+        self.data_position = {"epoch": 0, "batch": 0}
+        """Where `fit` is in its data: completed epochs and batches of the current one."""
         self._build_runner = build_runner
         self._make_optimizer = make_optimizer
         self._parts: _Parts | None = None
@@ -196,8 +201,13 @@ class Engine:
         eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
         seed: int = 0,
         show: bool = True,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
     ) -> list[dict[str, float]]:
-        """Train for `epochs` over shuffled global batches; one metrics row per epoch."""
+        """Train up to `epochs` epochs over shuffled global batches; one metrics row per epoch.
+
+        Continues from `data_position` (set by `load`); with `checkpoint_dir`, saves after
+        every epoch.
+        """
         from meshsplit.training import fit
 
         return fit(
@@ -208,6 +218,7 @@ class Engine:
             eval_data=eval_data,
             seed=seed,
             show=show,
+            checkpoint_dir=checkpoint_dir,
         )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -218,6 +229,18 @@ class Engine:
         parts: list[Any] = [None] * self.plan.pp
         dist.all_gather_object(parts, local, group=self.mesh.group("pp"))
         return {key: value for part in parts for key, value in part.items()}
+
+    def shard_dims(self) -> dict[str, int]:
+        """State-dict name -> dimension split over tp, for every tensor the operator split cut."""
+        return {}
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write a checkpoint (model, optimizer, steps, RNG, data position); every rank calls."""
+        return checkpoint.save(self, directory)
+
+    def load(self, directory: str | os.PathLike[str]) -> Path:
+        """Resume from a checkpoint written under this plan or any other; every rank calls."""
+        return checkpoint.load(self, directory)
 
     def memory_report(self) -> MemoryReport:
         """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""

@@ -42,8 +42,8 @@ class Plan:
     """Per-module operator split overriding the automatic rule, e.g. {'fc1': 'column'}."""
     zero: bool = False
     """Shard optimizer state over dp (ZeRO stage 1)."""
-    bucket_mb: float = 25.0
-    """Size of the gradient all-reduce buckets over dp, in MiB."""
+    bucket_mb: float = 8.0
+    """Size of the gradient all-reduce buckets over dp, in MiB (smaller: more overlap)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches"):

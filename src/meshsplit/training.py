@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -25,18 +26,20 @@ def fit(
     eval_data: tuple[torch.Tensor, torch.Tensor] | None,
     seed: int,
     show: bool,
+    checkpoint_dir: str | os.PathLike[str] | None,
 ) -> list[dict[str, float]]:
-    """Train `epochs` passes; rank 0 shows progress and returns the same rows as every rank.
+    """Train up to epoch `epochs`, from `engine.data_position`; rows for the epochs run here.
 
-    Every rank draws the same shuffle from `seed`, so all take part in the same global batch.
-    The last partial batch of an epoch is dropped: it may not split over the plan.
+    Every rank draws the same shuffle from (seed, epoch), so all take part in the same global
+    batch and a resumed run sees the batches an uninterrupted one would. The last partial
+    batch of an epoch is dropped: it may not split over the plan.
     """
     inputs, targets = dataset
     engine.plan.check_batch(batch_size)
     batches = len(inputs) // batch_size
     if batches == 0:
         raise ValueError(f"batch_size={batch_size} exceeds the {len(inputs)} samples")
-    generator = torch.Generator().manual_seed(seed)
+    done_epochs, done_batches = engine.data_position["epoch"], engine.data_position["batch"]
     show = show and engine.mesh.is_first_rank
     console = Console()
     history: list[dict[str, float]] = []
@@ -50,27 +53,35 @@ def fit(
         disable=not show,
         transient=True,
     ) as progress:
-        task = progress.add_task("train", total=epochs * batches, status="")
-        for epoch in range(1, epochs + 1):
-            order = torch.randperm(len(inputs), generator=generator)
+        total = max(0, (epochs - done_epochs) * batches - done_batches)
+        task = progress.add_task("train", total=total, status="")
+        for epoch in range(done_epochs + 1, epochs + 1):
+            order = torch.randperm(
+                len(inputs), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)
+            )
+            first = done_batches if epoch == done_epochs + 1 else 0
             started, losses = time.perf_counter(), []
-            for index in range(batches):
+            for index in range(first, batches):
                 rows = order[index * batch_size : (index + 1) * batch_size]
                 losses.append(engine.train_step(inputs[rows], targets[rows]))
+                engine.data_position = {"epoch": epoch - 1, "batch": index + 1}
                 progress.update(task, advance=1, status=f"epoch {epoch} loss {losses[-1]:.4f}")
+            engine.data_position = {"epoch": epoch, "batch": 0}
             elapsed = time.perf_counter() - started
             row = {
                 "epoch": float(epoch),
-                "loss": sum(losses) / len(losses),
-                "samples_per_second": batches * batch_size / elapsed,
+                "loss": sum(losses) / max(1, len(losses)),
+                "samples_per_second": len(losses) * batch_size / elapsed,
             }
             if eval_data is not None:
                 scores = engine.evaluate(*eval_data)
                 row["test_loss"], row["test_accuracy"] = scores["loss"], scores["accuracy"]
             history.append(row)
+            if checkpoint_dir is not None:
+                engine.save(checkpoint_dir)
             if show:
                 progress.console.print(_epoch_line(row, epochs))
-    if show:
+    if show and history:
         console.print(epoch_table(history))
     return history
 

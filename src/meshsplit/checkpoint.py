@@ -1,0 +1,233 @@
+"""Checkpoints that outlive the processes and the plan, on `torch.distributed.checkpoint`.
+
+Every rank hands DCP its own part under the ORIGINAL model's names: `model/<name>` and
+`optim/<name>/<key>`. A tensor split by the operator split goes in as a DTensor sharded
+over tp, so DCP records its global shape and any later plan reads the slice it needs;
+replicas over dp (and replicated tensors over tp) share a key and are written once; pipeline
+stages hold disjoint names. A save writes `step-N.partial/`, renames it to `step-N/` once
+every rank has finished, and only then moves the `latest` pointer, so an interrupted save
+never touches the previous good checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:
+    from meshsplit.engine import Engine
+
+__all__ = ["CheckpointError", "load_full_state_dict"]
+
+LATEST = "latest"
+KEEP = 2
+"""Complete checkpoints kept in a directory; older ones are removed after a good save."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit this model."""
+
+
+def save(engine: Engine, directory: str | os.PathLike[str]) -> Path:
+    """Write the engine's training state to `directory/step-N/` and point `latest` at it."""
+    root = Path(directory)
+    names: list[Any] = [None]
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        names[0] = _fresh_name(root, engine.steps)
+    dist.broadcast_object_list(names, src=0)
+    final = root / names[0]
+    staging = root / f"{names[0]}.partial"
+    dcp.save(_state(engine), checkpoint_id=staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.replace(staging, final)
+        pointer = root / f"{LATEST}.partial"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+        _prune(root, keep=final.name)
+    dist.barrier()
+    return final
+
+
+def load(engine: Engine, directory: str | os.PathLike[str]) -> Path:
+    """Restore model, optimizer, step count, RNG and data position; the plan may differ."""
+    path = resolve(directory)
+    metadata = _metadata(path)
+    _ensure_optimizer_state(engine)
+    state = _state(engine)
+    rng_key = f"rng/rank{dist.get_rank()}"
+    state = {
+        key: value
+        for key, value in state.items()
+        if not (key.startswith("optim/") or key.startswith("rng/"))
+        or key in metadata.state_dict_metadata
+    }
+    _check_fits(state, metadata, path)
+    dcp.load(state, storage_reader=FileSystemReader(path))
+    with torch.no_grad():
+        for key, live in _live_tensors(engine):
+            loaded = state.get(key)
+            if isinstance(loaded, DTensor):
+                live.copy_(loaded.to_local())
+    progress = state["progress"]
+    engine.steps = progress["steps"]
+    engine.data_position = dict(progress["data_position"])
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    return path
+
+
+def resolve(directory: str | os.PathLike[str]) -> Path:
+    """The checkpoint folder `directory` names: itself, or the one its `latest` points to."""
+    root = Path(directory)
+    if (root / ".metadata").exists():
+        return root
+    pointer = root / LATEST
+    if not pointer.exists():
+        raise CheckpointError(
+            f"no checkpoint in {root}: neither {root / '.metadata'} nor {pointer} exists; "
+            "save one with engine.save(directory) or check the path"
+        )
+    path = root / pointer.read_text().strip()
+    if not (path / ".metadata").exists():
+        raise CheckpointError(
+            f"{pointer} points to {path}, which has no .metadata: the checkpoint is incomplete "
+            "or was removed; delete the pointer to fall back to an explicit step folder"
+        )
+    return path
+
+
+def load_full_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The unsplit model state from a checkpoint, in this process, with no process group."""
+    path = resolve(directory)
+    metadata = _metadata(path)
+    state: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("model/") and isinstance(item, TensorStorageMetadata):
+            state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process" is what we ask for
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
+    except Exception as error:
+        raise CheckpointError(f"cannot read the checkpoint {path}: {error}") from error
+    return {key.removeprefix("model/"): value for key, value in state.items()}
+
+
+def _fresh_name(root: Path, steps: int) -> str:
+    name, suffix = f"step-{steps:08d}", 1
+    while (root / name).exists():
+        name, suffix = f"step-{steps:08d}-{suffix}", suffix + 1
+    shutil.rmtree(root / f"{name}.partial", ignore_errors=True)  # a save that died midway
+    return name
+
+
+def _prune(root: Path, keep: str) -> None:
+    complete = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")),
+        key=lambda p: p.stat().st_mtime,
+    )
+    for old in complete[:-KEEP]:
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as error:
+        raise CheckpointError(
+            f"cannot read the checkpoint metadata in {path}: {type(error).__name__}: {error}; "
+            "the checkpoint is corrupt, load an earlier step folder"
+        ) from error
+
+
+def _placed(tensor: torch.Tensor, dim: int | None, engine: Engine) -> torch.Tensor:
+    """A tp shard as a DTensor (so DCP knows its global shape), anything else as it is."""
+    if dim is None or engine.plan.tp == 1:
+        return tensor
+    tp_mesh = engine.mesh.device_mesh["tp"]
+    return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
+
+
+def _live_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, live tensor) for every model tensor and optimizer state tensor."""
+    module = engine.module
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        yield f"model/{name}", tensor.data
+    name_of: dict[torch.Tensor, str] = {p: name for name, p in module.named_parameters()}
+    for param, state in _local_optimizer(engine).state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                yield f"optim/{name_of[param]}/{key}", value
+
+
+def _state(engine: Engine) -> dict[str, Any]:
+    dims = engine.shard_dims()
+    shapes = {name: tensor.shape for name, tensor in engine.module.state_dict().items()}
+    state: dict[str, Any] = {}
+    for key, tensor in _live_tensors(engine):
+        name = key.split("/", 2)[1]
+        # Optimizer state shaped like its parameter (momenta) is split the same way.
+        is_shard = name in dims and tensor.shape == shapes[name]
+        state[key] = _placed(tensor, dims[name] if is_shard else None, engine)
+    state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
+    state["progress"] = {"steps": engine.steps, "data_position": dict(engine.data_position)}
+    return state
+
+
+def _check_fits(state: dict[str, Any], metadata: Metadata, path: Path) -> None:
+    """Refuse a checkpoint that lacks this model's tensors or holds them in other shapes."""
+    saved = metadata.state_dict_metadata
+    missing = [key for key in state if key.startswith("model/") and key not in saved]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} does not hold {len(missing)} tensors of this model, e.g. "
+            f"{missing[:3]}; it was written for another model"
+        )
+    for key, value in state.items():
+        item = saved.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(item, TensorStorageMetadata):
+            shape = tuple(value.shape)
+            if tuple(item.size) != shape:
+                raise CheckpointError(
+                    f"checkpoint {path}: {key} has shape {tuple(item.size)} but this model "
+                    f"needs {shape}; it was written for another model"
+                )
+
+
+def _local_optimizer(engine: Engine) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (the inner one under ZeRO)."""
+    optimizer = engine.optimizer
+    return getattr(optimizer, "optim", optimizer)
+
+
+def _ensure_optimizer_state(engine: Engine) -> None:
+    """Create the optimizer's state tensors (lazy in torch) with a zero-gradient, zero-lr step."""
+    optimizer = _local_optimizer(engine)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+        group["lr"] = lr
+    for p, grad in zip(params, saved_grads, strict=True):
+        p.grad = grad

@@ -1,0 +1,98 @@
+"""Checkpoints: resume equals uninterrupted training, across plans; bad checkpoints fail clearly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshsplit as ms
+
+from reference import ATOL, OPTIMIZERS, RTOL, batches, build, loss_for, train_single
+
+MODEL, OPTIMIZER, BATCH = "small_mlp", "adamw", 16
+
+
+def _engine(plan: ms.Plan) -> ms.Engine:
+    return ms.parallelize(
+        build(MODEL), plan, optimizer=OPTIMIZERS[OPTIMIZER], loss_fn=loss_for(MODEL)
+    )
+
+
+def _train(plan: ms.Plan, steps: range, load_from: str | None, save_to: str | None) -> dict:
+    """Run the given global steps (of a fixed batch sequence), loading and saving around them."""
+    engine = _engine(plan)
+    if load_from:
+        engine.load(load_from)
+    data = batches(MODEL, BATCH, 6)
+    losses = [engine.train_step(*data[step]) for step in steps]
+    if save_to:
+        engine.save(save_to)
+    state, count = engine.full_state_dict(), engine.steps
+    engine.close()
+    return {"losses": losses, "state": state, "steps": count}
+
+
+def _assert_state(state: dict, expected: dict) -> None:
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> tuple[list[float], dict]:
+    return train_single(MODEL, OPTIMIZER, batch=BATCH, steps=6)
+
+
+def test_resume_across_plans_equals_uninterrupted(tmp_path, uninterrupted) -> None:
+    losses, expected = uninterrupted
+    first = ms.launch(_train, 2, args=(ms.Plan(dp=2), range(3), None, str(tmp_path)))
+    assert first[0]["steps"] == 3
+    # stop all processes; resume under another plan (one process) for the next three steps
+    second = ms.launch(_train, 1, args=(ms.Plan(), range(3, 6), str(tmp_path), None))
+    assert second[0]["steps"] == 6
+    torch.testing.assert_close(
+        torch.tensor(first[0]["losses"] + second[0]["losses"]),
+        torch.tensor(losses),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+    _assert_state(second[0]["state"], expected)
+    # and into one process with no process group at all
+    partial = ms.load_full_state_dict(tmp_path)
+    _assert_state(partial, first[0]["state"])
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path) -> None:
+    ms.launch(_train, 1, args=(ms.Plan(), range(2), None, str(tmp_path)))
+    good = ms.load_full_state_dict(tmp_path)
+    # a save that died midway leaves only a .partial folder behind
+    broken = tmp_path / "step-00000009.partial"
+    broken.mkdir()
+    (broken / "__0_0.distcp").write_bytes(b"half a file")
+    _assert_state(ms.load_full_state_dict(tmp_path), good)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ms.CheckpointError, match="no checkpoint in"):
+        ms.load_full_state_dict(tmp_path / "nowhere")
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path) -> None:
+    ms.launch(_train, 1, args=(ms.Plan(), range(1), None, str(tmp_path)))
+    folder = tmp_path / (tmp_path / "latest").read_text()
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(ms.CheckpointError, match="corrupt"):
+        ms.load_full_state_dict(tmp_path)
+
+
+def _load_other_model(directory: str) -> None:
+    engine = ms.parallelize(ms.models.mlp((784, 8, 10)), ms.Plan())
+    engine.load(directory)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
+    ms.launch(_train, 1, args=(ms.Plan(), range(1), None, str(tmp_path)))
+    with pytest.raises(ms.WorkerError) as caught:
+        ms.launch(_load_other_model, 1, args=(str(tmp_path),))
+    assert caught.value.error_type == "CheckpointError"
+    assert "another model" in caught.value.message
