@@ -43,9 +43,10 @@ def uninterrupted() -> tuple[list[float], dict]:
     return train_single(MODEL, OPTIMIZER, batch=BATCH, steps=6)
 
 
-def test_resume_across_plans_equals_uninterrupted(tmp_path, uninterrupted) -> None:
+@pytest.mark.parametrize("zero", [False, True])
+def test_resume_across_plans_equals_uninterrupted(tmp_path, uninterrupted, zero: bool) -> None:
     losses, expected = uninterrupted
-    first = ms.launch(_train, 2, args=(ms.Plan(dp=2), range(3), None, str(tmp_path)))
+    first = ms.launch(_train, 2, args=(ms.Plan(dp=2, zero=zero), range(3), None, str(tmp_path)))
     assert first[0]["steps"] == 3
     # stop all processes; resume under another plan (one process) for the next three steps
     second = ms.launch(_train, 1, args=(ms.Plan(), range(3, 6), str(tmp_path), None))

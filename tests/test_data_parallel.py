@@ -7,7 +7,7 @@ import torch
 
 import meshsplit as ms
 
-from reference import assert_matches, train_parallel, train_single
+from reference import OPTIMIZERS, assert_matches, train_parallel, train_single
 
 CASES = [(model, opt) for model in ("mlp", "cnn") for opt in ("sgd", "adamw")]
 
@@ -58,3 +58,26 @@ def test_predict_returns_full_output_and_report_counts_bytes() -> None:
         assert before.optimizer_bytes == 0
         assert after.optimizer_bytes >= 2 * param_bytes  # Adam: two moments per parameter
         assert after.peak_bytes > param_bytes
+
+
+def _zero(dp: int) -> list:
+    results = [train_parallel("mlp", opt, ms.Plan(dp=dp, zero=True)) for opt in ("sgd", "adamw")]
+    engine = ms.parallelize(
+        ms.models.mlp(), ms.Plan(dp=dp, zero=True), optimizer=OPTIMIZERS["adamw"]
+    )
+    engine.train_step(*ms.data.synthetic_images(8))
+    results.append(engine.memory_report().optimizer_bytes)
+    engine.close()
+    return results
+
+
+def test_zero_shards_optimizer_state_and_matches_single_process() -> None:
+    dp = 2
+    per_rank = ms.launch(_zero, dp, args=(dp,))
+    for index, opt in enumerate(("sgd", "adamw")):
+        assert_matches([rank[index] for rank in per_rank], train_single("mlp", opt))
+    model = ms.models.mlp()
+    unsharded = sum(p.numel() * 4 * 2 + 4 for p in model.parameters())  # exp_avg, exp_avg_sq, step
+    shards = [rank[-1] for rank in per_rank]
+    assert sum(shards) == unsharded
+    assert max(shards) <= 0.6 * unsharded  # about 1/dp each; whole tensors are not cut

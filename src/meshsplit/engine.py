@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit import checkpoint
-from meshsplit.data_parallel import GradientSync
+from meshsplit.data_parallel import GradientSync, shard_optimizer
 from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan, PlanError
@@ -108,7 +108,11 @@ class Engine:
         self._parts = _Parts(
             runner=runner,
             sync=GradientSync(params, self.mesh.group("dp"), self.plan.bucket_mb),
-            optimizer=self._make_optimizer(params),
+            optimizer=(
+                shard_optimizer(self._make_optimizer, params, self.mesh.group("dp"))
+                if self.plan.zero
+                else self._make_optimizer(params)
+            ),
         )
         return self._parts
 

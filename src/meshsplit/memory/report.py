@@ -33,10 +33,14 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in the optimizer's per-parameter state (momenta, step counts)."""
+    """Bytes of every tensor in this rank's optimizer state (momenta, step counts).
+
+    Under ZeRO the state lives in the inner optimizer, which holds this rank's shard only.
+    """
+    local = getattr(optimizer, "optim", optimizer)
     return tensor_bytes(
         value
-        for state in optimizer.state.values()
+        for state in local.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
