@@ -1,4 +1,4 @@
-"""The `meshsplit` command: train a reference model on local workers under a plan."""
+"""The `meshsplit` command: train a reference model under a plan, or compare every plan."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from meshsplit import data, models
+from meshsplit import compare_report, data, models
+from meshsplit.compare import CompareConfig
+from meshsplit.compare import compare as run_comparison
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
@@ -55,16 +57,22 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
     )
+    checkpoint_dir = options["checkpoint_dir"]
+    if options["resume"]:
+        engine.load(checkpoint_dir)
+    test = model_data(name, "test")
     history = engine.fit(
         model_data(name, "train"),
         epochs=options["epochs"],
         batch_size=options["batch_size"],
-        eval_data=model_data(name, "test"),
+        eval_data=test,
         seed=options["seed"],
+        checkpoint_dir=checkpoint_dir,
     )
+    scores = history[-1] if history else {"test_accuracy": engine.evaluate(*test)["accuracy"]}
     memory = engine.memory_report().as_dict()
     engine.close()
-    return {"history": history, "memory": memory}
+    return {"history": history, "memory": memory, "test_accuracy": scores["test_accuracy"]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,6 +90,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--metrics-out", type=Path, help="write final metrics as JSON here")
+    train.add_argument("--checkpoint-dir", type=Path, help="save a checkpoint after each epoch")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir",
+    )
+    compare = commands.add_parser(
+        "compare", help="run every plan that fits N workers, side by side"
+    )
+    compare.add_argument("--model", choices=MODELS, default="cnn")
+    compare.add_argument("--devices", type=int, default=4, help="worker processes per plan")
+    compare.add_argument("--out", type=Path, default=Path("meshsplit-compare"))
+    compare.add_argument("--steps", type=int, default=6, help="steps per plan (first untimed)")
+    compare.add_argument("--batch-size", type=int, default=64)
+    compare.add_argument("--micro-batches", type=int, default=4, help="for plans with pp > 1")
     return parser
 
 
@@ -96,6 +119,8 @@ def train(args: argparse.Namespace) -> None:
     plan.check_batch(args.batch_size)
     if args.epochs < 1:
         raise PlanError(f"--epochs={args.epochs} must be at least 1")
+    if args.resume and args.checkpoint_dir is None:
+        raise PlanError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     options = {
         "model": args.model,
         "plan": plan.as_dict(),
@@ -103,13 +128,16 @@ def train(args: argparse.Namespace) -> None:
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
+        "checkpoint_dir": args.checkpoint_dir,
+        "resume": args.resume,
     }
     results = launch(_train_worker, plan.world_size, args=(options,))
-    last = results[0]["history"][-1]
+    history = results[0]["history"]
+    last = history[-1] if history else {"loss": None, "samples_per_second": None}
     metrics = {
         "model": args.model,
         "plan": plan.as_dict(),
-        "test_accuracy": last["test_accuracy"],
+        "test_accuracy": results[0]["test_accuracy"],
         "final_loss": last["loss"],
         "samples_per_second": last["samples_per_second"],
         "peak_memory_bytes": [result["memory"]["peak_bytes"] for result in results],
@@ -123,12 +151,31 @@ def train(args: argparse.Namespace) -> None:
         args.metrics_out.write_text(json.dumps(metrics, indent=2))
 
 
+def compare(args: argparse.Namespace) -> None:
+    config = CompareConfig(
+        model=args.model,
+        devices=args.devices,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+    )
+    if config.devices < 1:
+        raise PlanError(f"--devices={config.devices} must be at least 1")
+    rows = run_comparison(config)
+    console = Console()
+    console.print(compare_report.table(config, rows))
+    for path in compare_report.write(config, rows, args.out):
+        console.print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
         if args.command == "train":
             train(args)
+        elif args.command == "compare":
+            compare(args)
     except PlanError as error:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 2

@@ -1,0 +1,167 @@
+"""`meshsplit compare`: every plan that fits N workers, run for real on the same data.
+
+Each plan trains the same model from the same initial weights on the same global batches;
+the first step (which builds and profiles the split) is left out of the timing, the second
+is the one whose communication is counted. A single-process run of the same steps is the
+reference every plan's losses must match.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from meshsplit import data, models
+from meshsplit.engine import parallelize
+from meshsplit.launch import WorkerError, launch
+from meshsplit.plan import Plan, PlanError, divisors
+from meshsplit.traffic import count_traffic
+
+__all__: list[str] = []
+
+LOSS_RTOL = 1e-4
+"""Relative tolerance of the loss check over all steps (float summation order differs)."""
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mlp": models.mlp,
+    "cnn": models.cnn,
+    "transformer": models.transformer,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    """What every plan runs: the same model, data, optimizer and number of steps."""
+
+    model: str
+    """Reference model name: mlp, cnn or transformer."""
+    devices: int
+    """Worker processes every plan uses."""
+    steps: int = 6
+    """Optimizer steps per plan; the first is not timed."""
+    batch_size: int = 64
+    """Global batch size."""
+    micro_batches: int = 4
+    """Micro-batches per step for plans with a layer split."""
+    seed: int = 0
+
+
+def candidate_plans(config: CompareConfig) -> list[Plan]:
+    """Every dp x pp x tp that multiplies to `devices`: pure splits first, then hybrids."""
+    plans = []
+    for dp in divisors(config.devices):
+        for pp in divisors(config.devices // dp):
+            tp = config.devices // (dp * pp)
+            micro_batches = config.micro_batches if pp > 1 else 1
+            plans.append(Plan(dp=dp, pp=pp, tp=tp, micro_batches=micro_batches))
+    return sorted(plans, key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
+
+
+def batches(config: CompareConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed global batches every plan and the reference train on."""
+    rows = config.batch_size * config.steps
+    if config.model == "transformer":
+        inputs, targets = data.counting_tokens(rows, seed=config.seed)
+    else:
+        inputs, targets = data.digits("train")
+        repeats = -(-rows // len(inputs))
+        inputs, targets = inputs.repeat(repeats, 1, 1, 1)[:rows], targets.repeat(repeats)[:rows]
+    return list(zip(inputs.split(config.batch_size), targets.split(config.batch_size), strict=True))
+
+
+def _loss_fn(config: CompareConfig) -> torch.nn.Module:
+    if config.model == "transformer":
+        return models.TokenCrossEntropy()
+    return torch.nn.CrossEntropyLoss()
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _model(config: CompareConfig) -> torch.nn.Module:
+    torch.manual_seed(config.seed)
+    return MODELS[config.model]()
+
+
+def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:
+    """Runs in every worker: train the fixed steps under `plan`; this rank's figures."""
+    engine = parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=_loss_fn(config))
+    steps = batches(config)
+    losses = [engine.train_step(*steps[0])]
+    started = time.perf_counter()
+    with count_traffic() as traffic:
+        losses.append(engine.train_step(*steps[1]))
+    losses += [engine.train_step(*batch) for batch in steps[2:]]
+    seconds = time.perf_counter() - started
+    memory = engine.memory_report().as_dict()
+    engine.close()
+    return {"losses": losses, "seconds": seconds, "bytes": traffic.total_bytes, "memory": memory}
+
+
+def reference_losses(config: CompareConfig) -> list[float]:
+    """The same steps in this process, unsplit: the losses every plan must reproduce."""
+    model, loss_fn = _model(config), _loss_fn(config)
+    optimizer = _optimizer(model.parameters())
+    losses = []
+    for inputs, targets in batches(config):
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def compare(config: CompareConfig, *, show: bool = True) -> list[dict[str, Any]]:
+    """Run every candidate plan; one row per plan (refused plans say why)."""
+    if config.steps < 2:
+        raise PlanError(f"steps={config.steps}: compare needs at least 2 (the first is untimed)")
+    reference = reference_losses(config)
+    plans = candidate_plans(config)
+    rows: list[dict[str, Any]] = []
+    with Progress(console=Console(stderr=True), disable=not show, transient=True) as progress:
+        task = progress.add_task("compare", total=len(plans))
+        for plan in plans:
+            progress.update(task, description=f"running {plan.describe()}")
+            rows.append(_row(config, plan, reference))
+            progress.advance(task)
+    best = max((row["samples_per_second"] for row in rows if "refused" not in row), default=0.0)
+    for row in rows:
+        if "refused" not in row:
+            row["ratio_to_best"] = row["samples_per_second"] / best
+    return rows
+
+
+def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str, Any]:
+    row: dict[str, Any] = {"plan": plan.describe(), "shape": asdict(plan)}
+    try:
+        plan.check_batch(config.batch_size)
+        results = launch(_run_plan, plan.world_size, args=(config, plan))
+    except PlanError as error:
+        return {**row, "refused": str(error)}
+    except WorkerError as error:
+        if error.error_type != "PlanError":
+            raise
+        return {**row, "refused": error.message}
+    losses = results[0]["losses"]
+    slowest = max(result["seconds"] for result in results)
+    peaks = [result["memory"]["peak_bytes"] for result in results]
+    matched = torch.allclose(
+        torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=1e-6
+    )
+    return {
+        **row,
+        "samples_per_second": (config.steps - 1) * config.batch_size / slowest,
+        "peak_memory_bytes": peaks,
+        "bytes_per_step": sum(result["bytes"] for result in results),
+        "final_loss": losses[-1],
+        "reference_final_loss": reference[-1],
+        "loss_matches": bool(matched),
+    }

@@ -1,0 +1,124 @@
+"""What `meshsplit compare` shows and writes: a table, compare.json, compare.md, compare.png."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from meshsplit.compare import LOSS_RTOL, CompareConfig
+
+__all__: list[str] = []
+
+_MIB = 2**20
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    """One plan's figures as text, in the column order of HEADERS."""
+    if "refused" in row:
+        return [row["plan"], "refused", "", "", "", "", "", ""]
+    peaks = row["peak_memory_bytes"]
+    return [
+        row["plan"],
+        f"{row['samples_per_second']:.0f}",
+        f"{row['ratio_to_best']:.2f}",
+        f"{max(peaks) / _MIB:.0f}",
+        f"{min(peaks) / _MIB:.0f}",
+        f"{row['bytes_per_step'] / _MIB:.2f}",
+        f"{row['final_loss']:.4f}",
+        "yes" if row["loss_matches"] else "NO",
+    ]
+
+
+HEADERS = [
+    "plan",
+    "samples/s",
+    "vs best",
+    "peak MiB max",
+    "peak MiB min",
+    "MiB sent/step",
+    "final loss",
+    "= 1 device",
+]
+"""Peak memory is per rank (the largest and smallest rank); MiB sent sums all ranks."""
+
+
+def table(config: CompareConfig, rows: list[dict[str, Any]]) -> Table:
+    title = f"{config.model} on {config.devices} workers, global batch {config.batch_size}"
+    refusals = [f"{row['plan']}: {row['refused']}" for row in rows if "refused" in row]
+    result = Table(title=title, caption="\n".join(refusals) or None, caption_justify="left")
+    for header in HEADERS:
+        left = header == "plan"
+        result.add_column(header, justify="left" if left else "right", no_wrap=left)
+    for row in rows:
+        result.add_row(*_cells(row))
+    return result
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def write(config: CompareConfig, rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """compare.json (all figures), compare.md (the table), compare.png (throughput, memory)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "compare.json", out / "compare.md", out / "compare.png"]
+    document = {"config": vars(config), "machine": machine(), "loss_rtol": LOSS_RTOL, "plans": rows}
+    paths[0].write_text(json.dumps(document, indent=2))
+    paths[1].write_text(_markdown(config, rows))
+    _figure(config, rows, paths[2])
+    return paths
+
+
+def _markdown(config: CompareConfig, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"# meshsplit compare: {config.model} on {config.devices} workers",
+        "",
+        f"Global batch {config.batch_size}, {config.steps} SGD steps per plan (the first "
+        f"untimed), losses checked against one process (rtol {LOSS_RTOL}).",
+        f"Machine: {machine()['platform']}, torch {torch.__version__}.",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    lines += [""] + [
+        f"- {row['plan']} refused: {row['refused']}" for row in rows if "refused" in row
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _figure(config: CompareConfig, rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [row for row in rows if "refused" not in row]
+    labels = [row["plan"] for row in ran]
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(11, 0.5 * len(ran) + 2), sharey=True)
+    speed.barh(labels, [row["samples_per_second"] for row in ran], color="tab:blue")
+    speed.set_xlabel("samples / s (higher is better)")
+    speed.invert_yaxis()
+    peaks = [max(row["peak_memory_bytes"]) / _MIB for row in ran]
+    lows = [min(row["peak_memory_bytes"]) / _MIB for row in ran]
+    memory.barh(labels, peaks, color="tab:orange", label="max rank")
+    memory.barh(labels, lows, color="tab:green", label="min rank")
+    memory.set_xlabel("peak memory per rank, MiB")
+    memory.legend(loc="lower right")
+    figure.suptitle(
+        f"meshsplit compare: {config.model} on {config.devices} workers, "
+        f"global batch {config.batch_size}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

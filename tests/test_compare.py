@@ -1,0 +1,68 @@
+"""`meshsplit compare` runs every plan for N workers and writes the table, JSON, Markdown, PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshsplit.compare import CompareConfig, candidate_plans
+from meshsplit.traffic import count_traffic
+
+
+def test_candidate_plans_cover_every_factorisation() -> None:
+    plans = candidate_plans(CompareConfig(model="mlp", devices=4))
+    shapes = [(p.dp, p.pp, p.tp) for p in plans]
+    assert sorted(shapes) == sorted(
+        [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+    )
+    assert shapes[:3] == [(4, 1, 1), (1, 4, 1), (1, 1, 4)]  # pure splits first
+    assert all(p.micro_batches == (4 if p.pp > 1 else 1) for p in plans)
+
+
+def test_traffic_counter_restores_torch_distributed() -> None:
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    with count_traffic() as traffic:
+        assert dist.all_reduce is not original
+    assert dist.all_reduce is original
+    assert traffic.total_bytes == 0
+
+
+@pytest.mark.timeout(600)
+def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshsplit",
+            "compare",
+            "--model",
+            "mlp",
+            "--devices",
+            "4",
+            "--steps",
+            "3",
+            "--batch-size",
+            "16",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("compare.json", "compare.md", "compare.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    rows = json.loads((tmp_path / "compare.json").read_text())["plans"]
+    assert len(rows) == 6
+    ran = [row for row in rows if "refused" not in row]
+    assert ran, "no plan ran"
+    assert all(row["loss_matches"] for row in ran)
+    assert max(row["ratio_to_best"] for row in ran) == 1.0
+    assert all(len(row["peak_memory_bytes"]) == 4 for row in ran)
+    assert "dp4 pp1 tp1" in done.stdout
