@@ -42,3 +42,23 @@ def test_bad_plan_is_one_clear_line(args: list[str], words: str) -> None:
     assert words in done.stderr
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) <= 3  # one message, wrapped at most
+
+
+def test_train_resumes_from_checkpoint(tmp_path) -> None:
+    checkpoints, out = tmp_path / "ckpt", tmp_path / "m.json"
+    common = ["train", "--model", "mlp", "--checkpoint-dir", str(checkpoints)]
+    first = _meshsplit(*common, "--epochs", "1")
+    assert first.returncode == 0, first.stderr
+    assert (checkpoints / "latest").read_text() == "step-00000022"  # 1437 samples // 64
+    second = _meshsplit(*common, "--epochs", "2", "--resume", "--metrics-out", str(out))
+    assert second.returncode == 0, second.stderr
+    history = json.loads(out.read_text())["history"]
+    assert [row["epoch"] for row in history] == [2.0]  # only the epoch that was left
+    assert (checkpoints / "latest").read_text() == "step-00000044"
+
+
+def test_resume_without_checkpoint_is_one_clear_line(tmp_path) -> None:
+    done = _meshsplit("train", "--checkpoint-dir", str(tmp_path / "none"), "--resume")
+    assert done.returncode == 2
+    assert "no checkpoint in" in done.stderr
+    assert "Traceback" not in done.stderr

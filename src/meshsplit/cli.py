@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from meshsplit import compare_report, data, models
+from meshsplit.checkpoint import CheckpointError
 from meshsplit.compare import CompareConfig
 from meshsplit.compare import compare as run_comparison
 from meshsplit.engine import parallelize
@@ -22,6 +23,8 @@ from meshsplit.plan import Plan, PlanError
 __all__ = ["main"]
 
 MODELS = ("mlp", "cnn", "transformer")
+USER_ERRORS = ("PlanError", "CheckpointError")
+"""Errors in what the user asked for: one line and exit code 2, no traceback."""
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -176,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             train(args)
         elif args.command == "compare":
             compare(args)
-    except PlanError as error:
+    except (PlanError, CheckpointError) as error:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 2
     except WorkerError as error:
-        if error.error_type == "PlanError":
+        if error.error_type in USER_ERRORS:
             console.print(f"[red]error:[/] {error.message}", highlight=False)
             return 2
         console.print(f"[red]error:[/] {error}", highlight=False)
