@@ -126,7 +126,17 @@ def _watch(processes: list[Any], workdir: Path) -> None:
                         process.join(max(0.0, deadline - time.time()))
                         if process.exitcode not in (None, 0):
                             failures.append(_failure(process, other, workdir, time.time()))
-                raise min(failures, key=lambda pair: pair[0])[1]
+                raise _root_cause(failures)
+
+
+def _root_cause(failures: list[tuple[float, WorkerError]]) -> WorkerError:
+    """A worker killed by a signal caused its peers' errors; otherwise the earliest error did.
+
+    Peers of a dead worker fail in their next collective ("Connection closed by peer"),
+    possibly before this process notices the death, so death is ranked first.
+    """
+    killed = [pair for pair in failures if pair[1].error_type == "Killed"]
+    return min(killed or failures, key=lambda pair: pair[0])[1]
 
 
 def _failure(process: Any, rank: int, workdir: Path, seen_at: float) -> tuple[float, WorkerError]:
