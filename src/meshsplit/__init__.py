@@ -1,6 +1,6 @@
 """meshsplit: train one PyTorch model on many devices (data, layer and operator split)."""
 
-from meshsplit import data, models
+from meshsplit import data, models, tensor
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.memory.report import MemoryReport
@@ -16,4 +16,5 @@ __all__ = [
     "launch",
     "models",
     "parallelize",
+    "tensor",
 ]
