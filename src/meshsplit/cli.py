@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
-from meshsplit import data, models
+from meshsplit import data, models, tensor
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
@@ -55,6 +56,8 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
     )
+    if engine.plan.tp > 1 and engine.mesh.is_first_rank:
+        Console().print(operator_split_table(engine.describe()["operator_split"]))
     history = engine.fit(
         model_data(name, "train"),
         epochs=options["epochs"],
@@ -65,6 +68,16 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     memory = engine.memory_report().as_dict()
     engine.close()
     return {"history": history, "memory": memory}
+
+
+def operator_split_table(rows: list[dict[str, str]]) -> Table:
+    """One row per layer with parameters: what it is, how it splits over tp, and why."""
+    table = Table(title="operator split")
+    for column in ("name", "layer", "split", "reason"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["layer"], row["split"], row["reason"])
+    return table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,6 +109,8 @@ def train(args: argparse.Namespace) -> None:
     plan.check_batch(args.batch_size)
     if args.epochs < 1:
         raise PlanError(f"--epochs={args.epochs} must be at least 1")
+    if plan.tp > 1:
+        tensor.plan_splits(build_model(args.model), plan.tp)  # refuse a bad tp before launch
     options = {
         "model": args.model,
         "plan": plan.as_dict(),

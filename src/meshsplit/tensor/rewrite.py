@@ -186,7 +186,7 @@ def _walk(model: nn.Module) -> tuple[list[_Unit], list[Decision]]:
             if not isinstance(child, CHANNELWISE if after_conv else ELEMENTWISE):
                 previous = None
             if kind is None and any(True for _ in child.parameters(recurse=False)):
-                others.append(_replicated(name, child, "norm or other small layer"))
+                others.append(_replicated(name, child, "norm or other layer kept whole"))
             visit(child, name + ".")
 
     visit(model, "")
@@ -226,13 +226,13 @@ def _choose(units: list[_Unit], tp: int, tp_plan: Mapping[str, str], total: int)
         if unit.split:
             continue
         if unit.kind == "attention":
-            unit.split, unit.reason = "heads", "attention: q/k/v by output rows, out by input"
+            unit.split, unit.reason = "heads", "by heads: q/k/v column, out row"
             unit.required = _split_sizes(unit)["heads"]
         elif unit.after is not None and unit.after.split in ("", "row"):
             partner = unit.after
-            unit.split, unit.reason = "column", f"pair with '{partner.name}': feeds it split"
+            unit.split, unit.reason = "column", f"pairs with '{partner.name}'"
             if not partner.split:
-                partner.split, partner.reason = "row", f"pair with '{unit.name}': one all-reduce"
+                partner.split, partner.reason = "row", f"pairs with '{unit.name}': one all-reduce"
                 partner.required = _split_sizes(partner)["row"]
             unit.required = _split_sizes(unit)["column"]
     for unit in units:
@@ -251,7 +251,7 @@ def _choose_lone(unit: _Unit, tp: int, total: int) -> None:
         unit.reason = f"small ({count} of {total} parameters); a split would not pay"
     else:
         unit.split = split
-        unit.reason = "no partner: output gathered" if split == "column" else "split vocabulary"
+        unit.reason = "no partner: output gathered" if split == "column" else "by vocabulary rows"
 
 
 def _wire(units: list[_Unit]) -> None:
