@@ -132,12 +132,37 @@ def _check_layers() -> dict[str, str]:
     return failures
 
 
+def _check_split_logits_loss() -> str:
+    """Cross-entropy on vocabulary-split logits equals F.cross_entropy on whole ones."""
+    group = dist.group.WORLD
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 5, 16) * 4, torch.randint(0, 16, (3, 5))
+    whole = logits.clone().requires_grad_()
+    want = nn.functional.cross_entropy(whole.flatten(0, 1), targets.flatten())
+    want.backward()
+    split = logits.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    got = tensor.vocab_parallel_cross_entropy(split, targets, group)
+    got.backward()
+    try:
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg="loss")
+        want_grad = whole.grad.chunk(tp, dim=-1)[rank]  # type: ignore[union-attr]
+        torch.testing.assert_close(split.grad, want_grad, rtol=RTOL, atol=ATOL, msg="grad")
+    except AssertionError as error:
+        return f"rank {rank}: {error}"
+    return ""
+
+
+def _check_all() -> dict[str, str]:
+    return _check_layers() | {"split_logits_loss": _check_split_logits_loss()}
+
+
 @functools.cache
 def _results(tp: int) -> list[dict[str, str]]:
-    return ms.launch(_check_layers, tp)
+    return ms.launch(_check_all, tp)
 
 
-@pytest.mark.parametrize("case", list(_cases()))
+@pytest.mark.parametrize("case", [*_cases(), "split_logits_loss"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parallel_layer_matches_plain_layer(tp: int, case: str) -> None:
     for rank_result in _results(tp):

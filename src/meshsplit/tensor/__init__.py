@@ -15,6 +15,7 @@ from meshsplit.tensor.layers import (
     VocabParallelEmbedding,
     split_heads,
 )
+from meshsplit.tensor.loss import vocab_parallel_cross_entropy
 from meshsplit.tensor.rewrite import Decision, parallelize, plan_splits
 from meshsplit.tensor.shards import shard_dims, unshard_state_dict
 
@@ -35,4 +36,5 @@ __all__ = [
     "shard_dims",
     "split_heads",
     "unshard_state_dict",
+    "vocab_parallel_cross_entropy",
 ]
