@@ -5,6 +5,7 @@ heads for attention, vocabulary for Embedding) and returns one `Decision` per la
 `plan_splits(model, tp)` makes the same decisions without processes, for checking a plan.
 """
 
+from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
@@ -13,7 +14,6 @@ from meshsplit.tensor.layers import (
     RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
-    split_heads,
 )
 from meshsplit.tensor.loss import vocab_parallel_cross_entropy
 from meshsplit.tensor.rewrite import Decision, parallelize, plan_splits
@@ -23,6 +23,7 @@ __all__ = [
     "ColumnParallelConv2d",
     "ColumnParallelLinear",
     "Decision",
+    "HeadParallelAttention",
     "ParallelLayer",
     "RowParallelConv2d",
     "RowParallelLinear",

@@ -10,7 +10,7 @@ one all-reduce in forward (after the row layer) and one in backward (before the 
 
 The layers stay ordinary modules; the region crossings are `torch.fx.wrap`-ed functions that
 take the layer, so a symbolic trace of a split model records each crossing as one call instead
-of descending into the collective.
+of descending into the collective. Attention split by heads lives in `attention.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 
@@ -33,8 +34,6 @@ __all__ = [
     "ColumnParallelConv2d",
     "RowParallelConv2d",
     "VocabParallelEmbedding",
-    "HeadParallelAttention",
-    "split_heads",
 ]
 
 
@@ -60,6 +59,11 @@ def leave_gather(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 for _crossing in (enter_copy, enter_slice, leave_sum, leave_gather):
     torch.fx.wrap(_crossing.__name__)
+
+
+def tp_group(mesh_or_group: Mesh | dist.ProcessGroup) -> dist.ProcessGroup:
+    """The tp group of a mesh, or the group itself."""
+    return mesh_or_group.group("tp") if isinstance(mesh_or_group, Mesh) else mesh_or_group
 
 
 def _shard(
@@ -130,11 +134,12 @@ class ColumnParallelLinear(ParallelLayer):
     def from_module(
         cls,
         linear: nn.Linear,
-        group: dist.ProcessGroup,
+        mesh_or_group: Mesh | dist.ProcessGroup,
         *,
         gather_output: bool = False,
         copy_input: bool = True,
     ) -> ColumnParallelLinear:
+        group = tp_group(mesh_or_group)
         weight = _shard(linear.weight, 0, group, layer=linear, what="out_features")
         bias = None if linear.bias is None else _shard(linear.bias, 0, group, layer=linear, what="")
         return cls(
@@ -181,8 +186,13 @@ class RowParallelLinear(ParallelLayer):
 
     @classmethod
     def from_module(
-        cls, linear: nn.Linear, group: dist.ProcessGroup, *, scatter_input: bool = False
+        cls,
+        linear: nn.Linear,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        scatter_input: bool = False,
     ) -> RowParallelLinear:
+        group = tp_group(mesh_or_group)
         weight = _shard(linear.weight, 1, group, layer=linear, what="in_features")
         return cls(weight=weight, bias=_copy(linear.bias), group=group, scatter_input=scatter_input)
 
@@ -234,8 +244,13 @@ class ColumnParallelConv2d(ParallelLayer):
 
     @classmethod
     def from_module(
-        cls, conv: nn.Conv2d, group: dist.ProcessGroup, *, gather_output: bool = False
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
     ) -> ColumnParallelConv2d:
+        group = tp_group(mesh_or_group)
         options = _conv_options(conv)
         weight = _shard(conv.weight, 0, group, layer=conv, what="out_channels")
         bias = None if conv.bias is None else _shard(conv.bias, 0, group, layer=conv, what="")
@@ -281,8 +296,13 @@ class RowParallelConv2d(ParallelLayer):
 
     @classmethod
     def from_module(
-        cls, conv: nn.Conv2d, group: dist.ProcessGroup, *, scatter_input: bool = False
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        scatter_input: bool = False,
     ) -> RowParallelConv2d:
+        group = tp_group(mesh_or_group)
         options = _conv_options(conv)
         weight = _shard(conv.weight, 1, group, layer=conv, what="in_channels")
         return cls(
@@ -321,8 +341,9 @@ class VocabParallelEmbedding(ParallelLayer):
 
     @classmethod
     def from_module(
-        cls, embedding: nn.Embedding, group: dist.ProcessGroup
+        cls, embedding: nn.Embedding, mesh_or_group: Mesh | dist.ProcessGroup
     ) -> VocabParallelEmbedding:
+        group = tp_group(mesh_or_group)
         if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
             raise PlanError(
                 f"Embedding with padding_idx={embedding.padding_idx}, "
@@ -341,56 +362,3 @@ class VocabParallelEmbedding(ParallelLayer):
     def extra_repr(self) -> str:
         rows, dim = self.weight.shape
         return f"{rows}x{self.tp}, {dim}, vocab_start={self.vocab_start}"
-
-
-class HeadParallelAttention(nn.Module):
-    """Attention split by heads: each rank runs a contiguous block of n_heads/tp heads.
-
-    q, k and v are column-parallel (their output rows are the heads' rows, so a block of rows
-    is a block of heads) and share one input copy (forward: identity; backward: one all-reduce
-    of dX over tp for all three); `out` is row-parallel (forward: one all-reduce). The
-    attention's own forward then runs unchanged on the local heads.
-
-    `split_heads` turns an attention module into a subclass of its own class with this one
-    first in the MRO, so isinstance checks and the original forward both still hold.
-    """
-
-    group: dist.ProcessGroup
-
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return super().forward(enter_copy(self, x), *args, **kwargs)
-
-
-_HEAD_PARALLEL_CLASSES: dict[type, type] = {}
-"""One head-split subclass per attention class, so split blocks share a class."""
-
-
-def _head_parallel_class(cls: type) -> type:
-    if cls not in _HEAD_PARALLEL_CLASSES:
-        name = f"HeadParallel{cls.__name__}"
-        _HEAD_PARALLEL_CLASSES[cls] = type(name, (HeadParallelAttention, cls), {})
-    return _HEAD_PARALLEL_CLASSES[cls]
-
-
-def split_heads(attention: Any, group: dist.ProcessGroup) -> nn.Module:
-    """Split `attention` (Linear children q, k, v, out; int attribute n_heads) by heads, in place.
-
-    Afterwards `n_heads` is this rank's head count.
-    """
-    tp = dist.get_world_size(group)
-    if attention.n_heads % tp:
-        working = [d for d in range(1, attention.n_heads + 1) if attention.n_heads % d == 0]
-        raise PlanError(
-            f"tp={tp} does not divide {type(attention).__name__} n_heads={attention.n_heads}; "
-            f"use tp in {{{', '.join(map(str, working))}}}"
-        )
-    for name in ("q", "k", "v"):
-        projection = ColumnParallelLinear.from_module(
-            getattr(attention, name), group, copy_input=False
-        )
-        setattr(attention, name, projection)
-    attention.out = RowParallelLinear.from_module(attention.out, group)
-    attention.n_heads = attention.n_heads // tp
-    attention.group = group
-    attention.__class__ = _head_parallel_class(type(attention))
-    return attention

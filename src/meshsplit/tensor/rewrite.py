@@ -18,9 +18,15 @@ The rule, Megatron's pairing generalised to convolutions:
    for the layers it names.
 
 Layers of rules 1, 2 and 4 must split: a tp that does not divide them raises `PlanError`
-naming the layer, its size and the tp values that divide every such layer. Replicated
-parameters see the same inputs and gradients on every tp rank (each region boundary hands
-every rank the same bits), so they stay equal without a collective of their own.
+naming the layer, its size and the tp values that divide every such layer.
+
+Replicated parameters (norms, row layers' biases, layers kept whole) get no gradient
+all-reduce over tp. We chose that over averaging because they see the same inputs and output
+gradients on every tp rank — every region boundary is an all-reduce or all-gather, which hands
+each rank the same bits — so their gradients are equal by construction and an average would
+be a collective per step that changes nothing (the tests check the bits stay equal). It holds
+while the replicated layers are deterministic given their inputs: dropout outside a split
+region needs the same RNG state on every tp rank.
 """
 
 from __future__ import annotations
@@ -35,15 +41,15 @@ from torch import nn
 
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
+from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
-    HeadParallelAttention,
     ParallelLayer,
     RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
-    split_heads,
+    tp_group,
 )
 
 __all__ = ["Decision", "plan_splits", "parallelize"]
@@ -328,7 +334,7 @@ def parallelize(
 
     Returns one Decision per layer with parameters, in model order.
     """
-    group = mesh.group("tp") if isinstance(mesh, Mesh) else mesh
+    group = tp_group(mesh)
     decisions = plan_splits(model, dist.get_world_size(group), tp_plan)
     for decision in decisions:
         if decision.split == "replicate":
