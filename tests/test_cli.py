@@ -34,6 +34,7 @@ def test_train_mlp_reaches_accuracy_and_writes_metrics(tmp_path) -> None:
         (["--dp", "0"], "Plan.dp=0"),
         (["--dp", "3", "--batch-size", "64"], "global batch 64"),
         (["--schedule", "zigzag"], "Plan.schedule"),
+        (["--tp", "3"], "Plan.tp=3 does not divide Linear 'fc1'"),
     ],
 )
 def test_bad_plan_is_one_clear_line(args: list[str], words: str) -> None:

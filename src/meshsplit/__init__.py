@@ -1,6 +1,6 @@
 """meshsplit: train one PyTorch model on many devices (data, layer and operator split)."""
 
-from meshsplit import data, models
+from meshsplit import data, models, tensor
 from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
@@ -19,4 +19,5 @@ __all__ = [
     "load_full_state_dict",
     "models",
     "parallelize",
+    "tensor",
 ]

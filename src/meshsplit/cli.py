@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
-from meshsplit import compare_report, data, models
+from meshsplit import compare_report, data, models, tensor
 from meshsplit.checkpoint import CheckpointError
 from meshsplit.compare import CompareConfig
 from meshsplit.compare import compare as run_comparison
@@ -60,6 +61,8 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
     )
+    if engine.plan.tp > 1 and engine.mesh.is_first_rank:
+        Console().print(operator_split_table(engine.describe()["operator_split"]))
     checkpoint_dir = options["checkpoint_dir"]
     if options["resume"]:
         engine.load(checkpoint_dir)
@@ -76,6 +79,16 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     memory = engine.memory_report().as_dict()
     engine.close()
     return {"history": history, "memory": memory, "test_accuracy": scores["test_accuracy"]}
+
+
+def operator_split_table(rows: list[dict[str, str]]) -> Table:
+    """One row per layer with parameters: what it is, how it splits over tp, and why."""
+    table = Table(title="operator split")
+    for column in ("name", "layer", "split", "reason"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["layer"], row["split"], row["reason"])
+    return table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +137,8 @@ def train(args: argparse.Namespace) -> None:
         raise PlanError(f"--epochs={args.epochs} must be at least 1")
     if args.resume and args.checkpoint_dir is None:
         raise PlanError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if plan.tp > 1:
+        tensor.plan_splits(build_model(args.model), plan.tp)  # refuse a bad tp before launch
     options = {
         "model": args.model,
         "plan": plan.as_dict(),

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit import checkpoint
+from meshsplit import checkpoint, tensor
 from meshsplit.data_parallel import GradientSync, shard_optimizer
 from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
 from meshsplit.mesh import Mesh
@@ -44,13 +44,13 @@ def parallelize(
     first batch the engine sees.
     """
     mesh = Mesh.build(plan)
-    if plan.pp > 1 or plan.tp > 1:
+    if plan.pp > 1:
         raise PlanError(
-            f"Plan pp={plan.pp}, tp={plan.tp}: layer split and operator split are not available "
-            "in this version; use pp=1, tp=1 (data parallel)"
+            f"Plan pp={plan.pp}: layer split is not available in this version; use pp=1"
         )
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
+    decisions = tensor.parallelize(model, mesh, plan.tp_plan) if plan.tp > 1 else []
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
     def build_runner(example: torch.Tensor | None) -> Runner:
@@ -62,6 +62,7 @@ def parallelize(
         build_runner=build_runner,
         loss_fn=loss,
         make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
+        operator_split=decisions,
     )
     if plan.pp == 1 or example_inputs is not None:
         engine.build(example_inputs)
@@ -88,6 +89,7 @@ class Engine:
         build_runner: Callable[[torch.Tensor | None], Runner],
         loss_fn: LossFn,
         make_optimizer: OptimizerFactory,
+        operator_split: list[tensor.Decision] | None = None,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -97,6 +99,7 @@ class Engine:
         """Where `fit` is in its data: completed epochs and batches of the current one."""
         self._build_runner = build_runner
         self._make_optimizer = make_optimizer
+        self.operator_split = operator_split or []
         self._parts: _Parts | None = None
 
     def build(self, example_inputs: torch.Tensor | None) -> _Parts:
@@ -227,7 +230,10 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit model's state dict (same keys and shapes as the original), on CPU."""
-        local = {k: v.detach().cpu().clone() for k, v in self.runner.local_state_dict().items()}
+        local = self.runner.local_state_dict()
+        if self.plan.tp > 1:
+            local = tensor.unshard_state_dict(self.module, local, self.mesh.group("tp"))
+        local = {k: v.detach().cpu().clone() for k, v in local.items()}
         if self.plan.pp == 1:
             return local
         parts: list[Any] = [None] * self.plan.pp
@@ -236,7 +242,7 @@ class Engine:
 
     def shard_dims(self) -> dict[str, int]:
         """State-dict name -> dimension split over tp, for every tensor the operator split cut."""
-        return {}
+        return tensor.shard_dims(self.module) if self.plan.tp > 1 else {}
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write a checkpoint (model, optimizer, steps, RNG, data position); every rank calls."""
@@ -268,6 +274,7 @@ class Engine:
                     "parameters": sum(p.numel() for p in self.runner.parameters()),
                 }
             ],
+            "operator_split": [decision.as_dict() for decision in self.operator_split],
         }
 
     def close(self) -> None:

@@ -1,1 +1,41 @@
-"""Operator split: one operator's weight divided over the tp axis."""
+"""Operator split: one operator's weight divided over the tp axis.
+
+`parallelize(model, mesh)` rewrites a model in place (Megatron pairs for Linear and Conv2d,
+heads for attention, vocabulary for Embedding) and returns one `Decision` per layer;
+`plan_splits(model, tp)` makes the same decisions without processes, for checking a plan.
+"""
+
+from meshsplit.tensor.attention import HeadParallelAttention, split_heads
+from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from meshsplit.tensor.layers import (
+    ColumnParallelConv2d,
+    ColumnParallelLinear,
+    ParallelLayer,
+    RowParallelConv2d,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from meshsplit.tensor.loss import vocab_parallel_cross_entropy
+from meshsplit.tensor.rewrite import Decision, parallelize, plan_splits
+from meshsplit.tensor.shards import shard_dims, unshard_state_dict
+
+__all__ = [
+    "ColumnParallelConv2d",
+    "ColumnParallelLinear",
+    "Decision",
+    "HeadParallelAttention",
+    "ParallelLayer",
+    "RowParallelConv2d",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_to_tp",
+    "gather_from_tp",
+    "parallelize",
+    "plan_splits",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "shard_dims",
+    "split_heads",
+    "unshard_state_dict",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,130 @@
+"""Autograd-aware collectives over the tp group, named by the region they open or close.
+
+An operator split runs between two regions: activations are *replicated* (every tp rank holds
+the same tensor) outside it and *split* (each rank holds its own part) inside it. Each function
+below crosses that boundary in one direction and is the other's transpose in backward:
+
+| function          | forward                     | backward                           |
+| ----------------- | --------------------------- | ---------------------------------- |
+| `copy_to_tp`      | identity                    | all-reduce (sum) over tp           |
+| `reduce_from_tp`  | all-reduce (sum) over tp    | identity                           |
+| `gather_from_tp`  | all-gather along `dim`      | keep this rank's slice of `dim`    |
+| `scatter_to_tp`   | keep this rank's slice      | all-gather along `dim`             |
+
+Every rank receives the same bits from an all-reduce or an all-gather, so whatever follows a
+region boundary (norms, biases, replicated layers) computes the same values and gradients on
+every tp rank. The group is passed in; nothing here reaches for a global.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
+
+
+def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over `group` into a fresh tensor (autograd may share the input with other nodes)."""
+    total = tensor.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's equal-sized `tensor` along `dim`, in rank order (no autograd)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    rows = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_single(rows, tensor.contiguous(), group=group)
+    return torch.cat(rows.chunk(size), dim=dim)
+
+
+def _own_slice(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's contiguous 1/tp of `dim`."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.shape[dim] % size:
+        raise ValueError(
+            f"dimension {dim} of size {tensor.shape[dim]} does not split over tp={size}; "
+            f"give it a size divisible by {size}"
+        )
+    return tensor.chunk(size, dim=dim)[rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _own_slice(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Enter a split region with a replicated input. forward: identity; backward: all-reduce.
+
+    Each rank's split layer contributes a partial gradient dL/dx_i; the true gradient of the
+    replicated x is their sum.
+    """
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Leave a split region by summing partial results. forward: all-reduce; backward: identity.
+
+    Y = sum_i X_i A_i (row-parallel); the gradient of the sum is the same on every rank.
+    """
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Leave a split region by concatenation. forward: all-gather along dim; backward: own slice.
+
+    Y = [Y_0, ..., Y_{tp-1}] along `dim`; dL/dY_i is the i-th slice of dL/dY.
+    """
+    return _GatherFromTP.apply(x, group, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Enter a split region by slicing. forward: keep own slice of dim; backward: all-gather.
+
+    X_i = i-th slice of X along `dim`; dL/dX is the concatenation of every rank's dL/dX_i.
+    """
+    return _ScatterToTP.apply(x, group, dim)

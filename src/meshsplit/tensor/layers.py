@@ -1,0 +1,364 @@
+"""Parallel layers: one operator's weight split over the tp group, built from the original layer.
+
+Each layer is created with `from_module(module, group, ...)`, which slices the original's
+weights, so the split model starts from exactly the parameters of the unsplit one. Parameter
+names stay `weight` and `bias`, so state-dict keys stay the original's; `shard_dims` says which
+of them are split and along which dimension, which is all un-sharding and checkpoints need.
+
+Pairs follow Megatron: a column layer (output split) feeding a row layer (input split) needs
+one all-reduce in forward (after the row layer) and one in backward (before the column layer).
+
+The layers stay ordinary modules; the region crossings are `torch.fx.wrap`-ed functions that
+take the layer, so a symbolic trace of a split model records each crossing as one call instead
+of descending into the collective. Attention split by heads lives in `attention.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from meshsplit.mesh import Mesh
+from meshsplit.plan import PlanError
+from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+
+__all__ = [
+    "ParallelLayer",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ColumnParallelConv2d",
+    "RowParallelConv2d",
+    "VocabParallelEmbedding",
+]
+
+
+def enter_copy(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """Replicated x into `layer`'s split region. forward: identity; backward: all-reduce."""
+    return copy_to_tp(x, layer.group)
+
+
+def enter_slice(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Replicated x into the region as this rank's slice. forward: slice; backward: all-gather."""
+    return scatter_to_tp(x, layer.group, dim)
+
+
+def leave_sum(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """Partial sums out of the region. forward: all-reduce; backward: identity."""
+    return reduce_from_tp(x, layer.group)
+
+
+def leave_gather(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Split output out of the region, whole. forward: all-gather; backward: own slice."""
+    return gather_from_tp(x, layer.group, dim)
+
+
+for _crossing in (enter_copy, enter_slice, leave_sum, leave_gather):
+    torch.fx.wrap(_crossing.__name__)
+
+
+def tp_group(mesh_or_group: Mesh | dist.ProcessGroup) -> dist.ProcessGroup:
+    """The tp group of a mesh, or the group itself."""
+    return mesh_or_group.group("tp") if isinstance(mesh_or_group, Mesh) else mesh_or_group
+
+
+def _shard(
+    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, *, layer: nn.Module, what: str
+) -> nn.Parameter:
+    """This rank's contiguous 1/tp of `tensor` along `dim`, as a fresh parameter."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = tensor.shape[dim]
+    if full % size:
+        working = [d for d in range(1, full + 1) if full % d == 0]
+        raise PlanError(
+            f"tp={size} does not divide {type(layer).__name__} {what}={full}; "
+            f"use tp in {{{', '.join(map(str, working))}}}"
+        )
+    piece = tensor.detach().chunk(size, dim=dim)[rank].clone()
+    return nn.Parameter(piece, requires_grad=tensor.requires_grad)
+
+
+def _copy(tensor: torch.Tensor | None) -> nn.Parameter | None:
+    """A replicated parameter: the original's values, its own storage."""
+    if tensor is None:
+        return None
+    return nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad)
+
+
+class ParallelLayer(nn.Module):
+    """A layer whose parameters are (partly) split over the tp `group`."""
+
+    shard_dims: ClassVar[dict[str, int]]
+    """Local parameter name -> dimension split over tp; parameters not named are replicated."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    @property
+    def tp(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+class ColumnParallelLinear(ParallelLayer):
+    """Y = X·Aᵀ + b with A's rows (output features) split: rank i computes Y_i = X·A_iᵀ + b_i.
+
+    Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp),
+    unless the caller already did (`copy_input=False`, e.g. q, k and v sharing one copy).
+    Output: Y_i split along the last dim, or whole when `gather_output` (forward: all-gather;
+    backward: own slice).
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        gather_output: bool,
+        copy_input: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.gather_output = gather_output
+        self.copy_input = copy_input
+
+    @classmethod
+    def from_module(
+        cls,
+        linear: nn.Linear,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+        copy_input: bool = True,
+    ) -> ColumnParallelLinear:
+        group = tp_group(mesh_or_group)
+        weight = _shard(linear.weight, 0, group, layer=linear, what="out_features")
+        bias = None if linear.bias is None else _shard(linear.bias, 0, group, layer=linear, what="")
+        return cls(
+            weight=weight,
+            bias=bias,
+            group=group,
+            gather_output=gather_output,
+            copy_input=copy_input,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = enter_copy(self, x)
+        y = F.linear(x, self.weight, self.bias)
+        return leave_gather(self, y, -1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        out, n_in = self.weight.shape
+        return f"in={n_in}, out={out}x{self.tp}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(ParallelLayer):
+    """Y = X·Aᵀ + b with A's columns (input features) split: Y = sum_i X_i·A_iᵀ, then + b.
+
+    Input: X_i, this rank's slice of the last dim, as a column layer leaves it; or replicated X
+    sliced here when `scatter_input` (forward: slice; backward: all-gather).
+    Output: the sum over tp (forward: all-reduce; backward: identity), then the replicated bias.
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        scatter_input: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.scatter_input = scatter_input
+
+    @classmethod
+    def from_module(
+        cls,
+        linear: nn.Linear,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        scatter_input: bool = False,
+    ) -> RowParallelLinear:
+        group = tp_group(mesh_or_group)
+        weight = _shard(linear.weight, 1, group, layer=linear, what="in_features")
+        return cls(weight=weight, bias=_copy(linear.bias), group=group, scatter_input=scatter_input)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scatter_input:
+            x = enter_slice(self, x, -1)
+        y = leave_sum(self, F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        out, n_in = self.weight.shape
+        return f"in={n_in}x{self.tp}, out={out}, scatter_input={self.scatter_input}"
+
+
+def _conv_options(conv: nn.Conv2d) -> dict[str, Any]:
+    """The geometry F.conv2d needs; refuses what a channel split cannot keep exact."""
+    if conv.groups != 1 or conv.padding_mode != "zeros":
+        raise PlanError(
+            f"Conv2d with groups={conv.groups}, padding_mode={conv.padding_mode!r} cannot be "
+            "split by channels; replicate it (tp_plan={'<name>': 'replicate'})"
+        )
+    return {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
+
+
+class ColumnParallelConv2d(ParallelLayer):
+    """Conv2d split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
+
+    Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp).
+    Output: channels split along dim 1, or whole when `gather_output` (forward: all-gather;
+    backward: own slice).
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        options: dict[str, Any],
+        gather_output: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.options = options
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_module(
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+    ) -> ColumnParallelConv2d:
+        group = tp_group(mesh_or_group)
+        options = _conv_options(conv)
+        weight = _shard(conv.weight, 0, group, layer=conv, what="out_channels")
+        bias = None if conv.bias is None else _shard(conv.bias, 0, group, layer=conv, what="")
+        return cls(
+            weight=weight, bias=bias, group=group, options=options, gather_output=gather_output
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.conv2d(enter_copy(self, x), self.weight, self.bias, **self.options)
+        return leave_gather(self, y, 1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        out, n_in, *kernel = self.weight.shape
+        return f"{n_in}->{out}x{self.tp}, kernel={tuple(kernel)}, gather={self.gather_output}"
+
+
+class RowParallelConv2d(ParallelLayer):
+    """Conv2d split by input channels: Y = sum_i conv(X_i, W_i), then + b.
+
+    Convolution is linear in its input channels, so each rank convolves its block of channels
+    with its block of W's input channels and the partial maps add up to the whole.
+    Input: X_i (channels split along dim 1), or replicated X sliced here when `scatter_input`
+    (forward: slice; backward: all-gather). Output: the sum over tp (forward: all-reduce;
+    backward: identity), then the replicated bias.
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        options: dict[str, Any],
+        scatter_input: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.options = options
+        self.scatter_input = scatter_input
+
+    @classmethod
+    def from_module(
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        scatter_input: bool = False,
+    ) -> RowParallelConv2d:
+        group = tp_group(mesh_or_group)
+        options = _conv_options(conv)
+        weight = _shard(conv.weight, 1, group, layer=conv, what="in_channels")
+        return cls(
+            weight=weight,
+            bias=_copy(conv.bias),
+            group=group,
+            options=options,
+            scatter_input=scatter_input,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scatter_input:
+            x = enter_slice(self, x, 1)
+        y = leave_sum(self, F.conv2d(x, self.weight, None, **self.options))
+        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        out, n_in, *kernel = self.weight.shape
+        return f"{n_in}x{self.tp}->{out}, kernel={tuple(kernel)}, scatter={self.scatter_input}"
+
+
+class VocabParallelEmbedding(ParallelLayer):
+    """E[ids] with E's rows (the vocabulary) split: rank i holds rows [i·V/tp, (i+1)·V/tp).
+
+    Each rank looks up the ids it owns and writes zeros for the others; the sum over tp
+    (forward: all-reduce; backward: identity) is the whole lookup, and each row's gradient
+    lands only on the rank that owns it.
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
+
+    def __init__(self, *, weight: nn.Parameter, group: dist.ProcessGroup) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.vocab_start = dist.get_rank(group) * weight.shape[0]
+
+    @classmethod
+    def from_module(
+        cls, embedding: nn.Embedding, mesh_or_group: Mesh | dist.ProcessGroup
+    ) -> VocabParallelEmbedding:
+        group = tp_group(mesh_or_group)
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise PlanError(
+                f"Embedding with padding_idx={embedding.padding_idx}, "
+                f"max_norm={embedding.max_norm}, sparse={embedding.sparse} cannot be split by "
+                "vocabulary; replicate it (tp_plan={'<name>': 'replicate'})"
+            )
+        weight = _shard(embedding.weight, 0, group, layer=embedding, what="num_embeddings")
+        return cls(weight=weight, group=group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        owned = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(owned, local, 0), self.weight)
+        return leave_sum(self, rows * owned.unsqueeze(-1).to(rows.dtype))
+
+    def extra_repr(self) -> str:
+        rows, dim = self.weight.shape
+        return f"{rows}x{self.tp}, {dim}, vocab_start={self.vocab_start}"

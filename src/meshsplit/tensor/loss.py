@@ -1,0 +1,37 @@
+"""Cross-entropy on logits that stay split over the vocabulary, so they are never gathered.
+
+With a column-split output head (`gather_output=False`), rank i holds logits z_i for its
+vocabulary block [i·V/tp, (i+1)·V/tp). Per position:
+
+    loss = log sum_v exp(z_v - m) - (z_t - m),   m = max_v z_v (for stability only)
+
+m is an all-reduce (max) of the local maxima, with no gradient; the two sums over the
+vocabulary are local sums closed by `reduce_from_tp` (forward: all-reduce; backward:
+identity), so each rank's gradient is softmax(z)_i - onehot(t)_i on its own block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshsplit.tensor.collectives import reduce_from_tp
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V/tp), split by vocabulary block, against ids (...)."""
+    rows = logits.shape[-1]
+    start = dist.get_rank(group) * rows
+    peak = logits.detach().amax(dim=-1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak.unsqueeze(-1)
+    total = reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    local = targets - start
+    owned = (local >= 0) & (local < rows)
+    picked = shifted.gather(-1, torch.where(owned, local, 0).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp(picked * owned.to(picked.dtype), group)
+    return (total.log() - target_logit).mean()
