@@ -43,13 +43,28 @@ def uninterrupted() -> tuple[list[float], dict]:
     return train_single(MODEL, OPTIMIZER, batch=BATCH, steps=6)
 
 
-@pytest.mark.parametrize("zero", [False, True])
-def test_resume_across_plans_equals_uninterrupted(tmp_path, uninterrupted, zero: bool) -> None:
+@pytest.mark.parametrize(
+    ("saved_under", "loaded_under"),
+    [
+        (ms.Plan(dp=2), ms.Plan()),
+        (ms.Plan(dp=2, zero=True), ms.Plan()),
+        (ms.Plan(tp=2), ms.Plan(dp=2)),
+        (ms.Plan(dp=2), ms.Plan(tp=2)),
+    ],
+    ids=["dp2-to-1", "zero-to-1", "tp2-to-dp2", "dp2-to-tp2"],
+)
+def test_resume_across_plans_equals_uninterrupted(
+    tmp_path, uninterrupted, saved_under: ms.Plan, loaded_under: ms.Plan
+) -> None:
     losses, expected = uninterrupted
-    first = ms.launch(_train, 2, args=(ms.Plan(dp=2, zero=zero), range(3), None, str(tmp_path)))
+    first = ms.launch(
+        _train, saved_under.world_size, args=(saved_under, range(3), None, str(tmp_path))
+    )
     assert first[0]["steps"] == 3
-    # stop all processes; resume under another plan (one process) for the next three steps
-    second = ms.launch(_train, 1, args=(ms.Plan(), range(3, 6), str(tmp_path), None))
+    # stop all processes; resume under another plan for the next three steps
+    second = ms.launch(
+        _train, loaded_under.world_size, args=(loaded_under, range(3, 6), str(tmp_path), None)
+    )
     assert second[0]["steps"] == 6
     torch.testing.assert_close(
         torch.tensor(first[0]["losses"] + second[0]["losses"]),
