@@ -17,6 +17,7 @@ from torch import nn
 from meshsplit.data_parallel import GradientSync
 from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
 from meshsplit.mesh import Mesh
+from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
 from meshsplit.runner import LocalRunner, LossFn, Runner
 
@@ -41,16 +42,17 @@ def parallelize(
     first batch the engine sees.
     """
     mesh = Mesh.build(plan)
-    if plan.pp > 1 or plan.tp > 1:
+    if plan.tp > 1:
         raise PlanError(
-            f"Plan pp={plan.pp}, tp={plan.tp}: layer split and operator split are not available "
-            "in this version; use pp=1, tp=1 (data parallel)"
+            f"Plan.tp={plan.tp}: operator split is not available in this version; use tp=1"
         )
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
     def build_runner(example: torch.Tensor | None) -> Runner:
+        if plan.pp > 1:
+            return PipelineRunner(model, mesh, plan, loss, example)
         return LocalRunner(model, loss, plan.micro_batches)
 
     engine = Engine(
@@ -231,17 +233,8 @@ class Engine:
         )
 
     def describe(self) -> dict[str, Any]:
-        """The plan and where each part of the model runs."""
-        return {
-            "plan": self.plan.as_dict(),
-            "stages": [
-                {
-                    "stage": 0,
-                    "layers": [name for name, _ in self.module.named_children()],
-                    "parameters": sum(p.numel() for p in self.runner.parameters()),
-                }
-            ],
-        }
+        """The plan and where each part of the model runs (per stage when pp > 1)."""
+        return {"plan": self.plan.as_dict(), **self.runner.describe()}
 
     def close(self) -> None:
         """Release hooks and buffers; the process group stays for the caller."""
