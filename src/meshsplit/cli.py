@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
 from meshsplit import data, models
 from meshsplit.engine import parallelize
@@ -49,14 +50,20 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     """Runs in every worker: build, split, train, evaluate; returns this rank's results."""
     torch.manual_seed(options["seed"])
     name = options["model"]
+    plan = Plan(**options["plan"])
+    train_data = model_data(name, "train")
+    micro_rows = options["batch_size"] // (plan.dp * plan.micro_batches)
     engine = parallelize(
         build_model(name),
-        Plan(**options["plan"]),
+        plan,
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
+        example_inputs=train_data[0][:micro_rows] if plan.pp > 1 else None,
     )
+    if plan.pp > 1 and engine.mesh.is_first_rank:
+        Console().print(stage_table(engine.describe()))
     history = engine.fit(
-        model_data(name, "train"),
+        train_data,
         epochs=options["epochs"],
         batch_size=options["batch_size"],
         eval_data=model_data(name, "test"),
@@ -65,6 +72,26 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     memory = engine.memory_report().as_dict()
     engine.close()
     return {"history": history, "memory": memory}
+
+
+def stage_table(description: dict[str, Any]) -> Table:
+    """describe() of a layer split as a table: one row per stage, the schedule below it."""
+    table = Table(
+        title=f"layer split ({description['layers_from']})",
+        caption=f"bubble (p-1)/(m+p-1) = {description['bubble_fraction']:.1%}\n"
+        + description["schedule"],
+    )
+    for column in ("stage", "layers", "parameters", "forward ms", "backward ms"):
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for stage in description["stages"]:
+        table.add_row(
+            str(stage["stage"]),
+            " ".join(stage["layers"]),
+            f"{stage['parameters']:,}",
+            f"{stage['forward_ms']:.2f}",
+            f"{stage['backward_ms']:.2f}",
+        )
+    return table
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--tp", type=int, default=1, help="operator-split width")
     train.add_argument("--micro-batches", type=int, default=1)
     train.add_argument("--schedule", default="1f1b", help="1f1b or gpipe")
+    train.add_argument(
+        "--checkpoint",
+        default="never",
+        help="recompute activations in backward: never, except_last or always (pp > 1)",
+    )
     train.add_argument("--epochs", type=int, default=5)
     train.add_argument("--batch-size", type=int, default=64, help="global batch size")
     train.add_argument("--lr", type=float, default=1e-3)
@@ -92,6 +124,7 @@ def train(args: argparse.Namespace) -> None:
         tp=args.tp,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
+        checkpoint=args.checkpoint,
     )
     plan.check_batch(args.batch_size)
     if args.epochs < 1:

@@ -9,10 +9,12 @@ GPipe runs every forward, then every backward: m micro-batches in flight on ever
 and one backward, then drains: at most p-s micro-batches in flight, the same bubble.
 Both leave a bubble of (p-1)/(m+p-1) of the step when F and B take one tick each.
 
-p=2, m=4 (`diagram(schedule('1f1b', 2, 4))`):
+p=2, m=4, one tick per action (`diagram(schedule(name, 2, 4))`):
 
-    stage 0 | F0 F1 .. F2 B0 F3 B1 .. B2 .. B3
-    stage 1 | .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
+    1f1b   stage 0 | F0 F1 .. B0 F2 B1 F3 B2 .. B3
+           stage 1 | .. F0 B0 F1 B1 F2 B2 F3 B3 ..
+    gpipe  stage 0 | F0 F1 F2 F3 .. .. B0 B1 B2 B3
+           stage 1 | .. F0 F1 F2 F3 B0 B1 B2 B3 ..
 """
 
 from __future__ import annotations
