@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import meshsplit as ms
-from meshsplit.pipeline.frontend import LayerGraph, layer_graph, split_point
+from meshsplit.pipeline import split_point
+from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.profile import profile_layers
 from meshsplit.pipeline.stage import plan_routes
 

@@ -1,7 +1,7 @@
 """PipelineRunner: the Runner for pp > 1 — this rank's stage of a profile-balanced layer split.
 
 Building it: model -> layers (frontend) -> per-layer costs measured on every rank on one
-micro-batch and agreed by an all-reduce(max), so every rank computes the same split ->
+micro-batch and agreed by an all-reduce(min), so every rank computes the same split ->
 balanced (or given) stage sizes -> this rank keeps its stage's layers. A step runs the
 plan's schedule over the micro-batches; each micro-batch's loss is weighted by its share
 of the global batch, so the accumulated gradients equal one step on the whole batch.
@@ -125,11 +125,15 @@ class PipelineRunner:
 
 
 def _agreed(costs: list[LayerCost], device: torch.device) -> list[LayerCost]:
-    """Every rank's costs replaced by the maximum over all ranks, so all compute one split."""
+    """Every rank's costs replaced by the minimum over all ranks, so all compute one split.
+
+    min is exact (the same bits on every rank) and, since load from other processes only
+    ever adds time, the least noisy of the ranks' measurements of the same layers.
+    """
     times = torch.tensor(
         [[c.forward_ms, c.backward_ms] for c in costs], dtype=torch.float64, device=device
     )
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(times, op=dist.ReduceOp.MIN)
     return [
         LayerCost(
             forward_ms=float(f),
