@@ -59,8 +59,8 @@ class PipelineRunner:
         self.index = mesh.rank("pp")
         starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
         mine = graph.layers[starts[self.index] : starts[self.index + 1]]
-        _refuse_shared_parameters(graph, starts)
-        _refuse_stages_without_parameters(graph, starts)
+        refuse_shared_parameters(graph, starts)
+        refuse_stages_without_parameters(graph, starts)
         self.stage = Stage(
             index=self.index,
             stages=plan.pp,
@@ -145,7 +145,7 @@ def _agreed(costs: list[LayerCost], device: torch.device) -> list[LayerCost]:
     ]
 
 
-def _refuse_shared_parameters(graph: LayerGraph, starts: list[int]) -> None:
+def refuse_shared_parameters(graph: LayerGraph, starts: list[int]) -> None:
     """Tied weights must live on one stage: each stage updates its own copy otherwise."""
     owner: dict[int, tuple[int, str]] = {}
     for stage in range(len(starts) - 1):
@@ -160,7 +160,7 @@ def _refuse_shared_parameters(graph: LayerGraph, starts: list[int]) -> None:
                     )
 
 
-def _refuse_stages_without_parameters(graph: LayerGraph, starts: list[int]) -> None:
+def refuse_stages_without_parameters(graph: LayerGraph, starts: list[int]) -> None:
     """A stage with nothing to train cannot build its optimizer; say which and what to do."""
     for stage in range(len(starts) - 1):
         layers = graph.layers[starts[stage] : starts[stage + 1]]

@@ -126,16 +126,16 @@ class Stage:
     ) -> _Step:
         """Run `actions` over the micro-batches; with no targets, forward only (inference)."""
         step = _Step()
-        try:
-            for action in actions:
-                if action.kind == "F":
-                    target = targets[action.micro] if targets is not None else None
-                    self._forward(step, action.micro, inputs[action.micro], target, loss_of)
-                else:
-                    self._backward(step, action.micro)
-        finally:
-            for sending in step.sending:
-                sending.wait()
+        for action in actions:
+            if action.kind == "F":
+                target = targets[action.micro] if targets is not None else None
+                self._forward(step, action.micro, inputs[action.micro], target, loss_of)
+            else:
+                self._backward(step, action.micro)
+        # on an error the sends are left unfinished on purpose: waiting for a peer that may
+        # never receive would turn a failure into a hang; the job ends instead
+        for sending in step.sending:
+            sending.wait()
         return step
 
     def _key(self, x: torch.Tensor) -> Hashable:
