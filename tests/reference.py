@@ -18,10 +18,29 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01),
 }
 
+
+class SkipMLP(nn.Module):
+    """Not an nn.Sequential: the first layer's output skips three layers to the head's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+        self.inp = nn.Linear(784, 32)
+        self.b1 = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
+        self.b2 = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+        self.b3 = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(self.flatten(x))
+        return self.head(torch.relu(self.b3(self.b2(self.b1(h))) + h))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": ms.models.mlp,
     "cnn": ms.models.cnn,
     "small_mlp": lambda: ms.models.mlp((784, 64, 32, 16, 10)),
+    "skip_mlp": SkipMLP,
     "transformer": lambda: ms.models.transformer(
         vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=8
     ),

@@ -55,20 +55,26 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     """Runs in every worker: build, split, train, evaluate; returns this rank's results."""
     torch.manual_seed(options["seed"])
     name = options["model"]
+    plan = Plan(**options["plan"])
+    train_data = model_data(name, "train")
+    micro_rows = options["batch_size"] // (plan.dp * plan.micro_batches)
     engine = parallelize(
         build_model(name),
-        Plan(**options["plan"]),
+        plan,
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
+        example_inputs=train_data[0][:micro_rows] if plan.pp > 1 else None,
     )
     if engine.plan.tp > 1 and engine.mesh.is_first_rank:
         Console().print(operator_split_table(engine.describe()["operator_split"]))
+    if engine.plan.pp > 1 and engine.mesh.is_first_rank:
+        Console().print(stage_table(engine.describe()))
     checkpoint_dir = options["checkpoint_dir"]
     if options["resume"]:
         engine.load(checkpoint_dir)
     test = model_data(name, "test")
     history = engine.fit(
-        model_data(name, "train"),
+        train_data,
         epochs=options["epochs"],
         batch_size=options["batch_size"],
         eval_data=test,
@@ -91,6 +97,26 @@ def operator_split_table(rows: list[dict[str, str]]) -> Table:
     return table
 
 
+def stage_table(description: dict[str, Any]) -> Table:
+    """describe() of a layer split as a table: one row per stage, the schedule below it."""
+    table = Table(
+        title=f"layer split ({description['layers_from']})",
+        caption=f"bubble (p-1)/(m+p-1) = {description['bubble_fraction']:.1%}\n"
+        + description["schedule"],
+    )
+    for column in ("stage", "layers", "parameters", "forward ms", "backward ms"):
+        table.add_column(column, justify="left" if column == "layers" else "right")
+    for stage in description["stages"]:
+        table.add_row(
+            str(stage["stage"]),
+            " ".join(stage["layers"]),
+            f"{stage['parameters']:,}",
+            f"{stage['forward_ms']:.2f}",
+            f"{stage['backward_ms']:.2f}",
+        )
+    return table
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshsplit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--tp", type=int, default=1, help="operator-split width")
     train.add_argument("--micro-batches", type=int, default=1)
     train.add_argument("--schedule", default="1f1b", help="1f1b or gpipe")
+    train.add_argument(
+        "--recompute",
+        default="never",
+        help="activation checkpointing in stages: never, except_last or always (pp > 1)",
+    )
     train.add_argument("--epochs", type=int, default=5)
     train.add_argument("--batch-size", type=int, default=64, help="global batch size")
     train.add_argument("--lr", type=float, default=1e-3)
@@ -131,6 +162,7 @@ def train(args: argparse.Namespace) -> None:
         tp=args.tp,
         micro_batches=args.micro_batches,
         schedule=args.schedule,
+        checkpoint=args.recompute,
     )
     plan.check_batch(args.batch_size)
     if args.epochs < 1:

@@ -20,7 +20,8 @@ from meshsplit import checkpoint, tensor
 from meshsplit.data_parallel import GradientSync, shard_optimizer
 from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
 from meshsplit.mesh import Mesh
-from meshsplit.plan import Plan, PlanError
+from meshsplit.pipeline.runner import PipelineRunner
+from meshsplit.plan import Plan
 from meshsplit.runner import LocalRunner, LossFn, Runner
 
 __all__ = ["Engine", "parallelize"]
@@ -44,16 +45,14 @@ def parallelize(
     first batch the engine sees.
     """
     mesh = Mesh.build(plan)
-    if plan.pp > 1:
-        raise PlanError(
-            f"Plan pp={plan.pp}: layer split is not available in this version; use pp=1"
-        )
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
     decisions = tensor.parallelize(model, mesh, plan.tp_plan) if plan.tp > 1 else []
     loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
 
     def build_runner(example: torch.Tensor | None) -> Runner:
+        if plan.pp > 1:
+            return PipelineRunner(model, mesh, plan, loss, example)
         return LocalRunner(model, loss, plan.micro_batches)
 
     engine = Engine(
@@ -264,16 +263,11 @@ class Engine:
         )
 
     def describe(self) -> dict[str, Any]:
-        """The plan and where each part of the model runs."""
+        """The plan, where each part of the model runs (per stage when pp > 1), and each
+        layer's operator split."""
         return {
             "plan": self.plan.as_dict(),
-            "stages": [
-                {
-                    "stage": 0,
-                    "layers": [name for name, _ in self.module.named_children()],
-                    "parameters": sum(p.numel() for p in self.runner.parameters()),
-                }
-            ],
+            **self.runner.describe(),
             "operator_split": [decision.as_dict() for decision in self.operator_split],
         }
 

@@ -8,7 +8,7 @@ over the micro-batches, leaving gradients in `.grad`, and returns its share of t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -54,6 +54,10 @@ class Runner(Protocol):
         """This process's parameters and buffers under the original model's names."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """Where the model runs: {'stages': [{'stage', 'layers', 'parameters', ...}], ...}."""
+        ...
+
 
 class LocalRunner:
     """pp == 1: the whole model runs here; micro-batches accumulate gradients."""
@@ -86,3 +90,14 @@ class LocalRunner:
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "stages": [
+                {
+                    "stage": 0,
+                    "layers": [name for name, _ in self.module.named_children()],
+                    "parameters": sum(p.numel() for p in self.module.parameters()),
+                }
+            ]
+        }

@@ -1,0 +1,362 @@
+"""Any `nn.Module` as an ordered list of layers with explicit data flow between them.
+
+A layer is a callable piece of the model that reads named values and writes named values;
+the pipeline cuts only between layers. Three ways in, tried in order:
+
+- `nn.Sequential`: each child is a layer reading the previous child's output.
+- `torch.fx` tracing: the graph's nodes are grouped into runs that belong to the same
+  top-level child module (code in the root `forward`, such as a residual add, joins the
+  layer before it), or into the segments between `split_point` markers when the model has
+  any. A submodule that cannot be traced is retried as one opaque node.
+- `torch.export` when fx fails in the root `forward` itself; the example input is needed.
+
+A value read by a later layer than the next one (a skip connection) is simply a named value
+with several readers; the stage router sends it straight to every stage that reads it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from meshsplit.plan import PlanError
+
+__all__ = ["split_point"]
+
+_MAX_OPAQUE_RETRIES = 32
+
+
+def split_point(x: torch.Tensor) -> torch.Tensor:
+    """Mark a place in `forward` where a pipeline stage may begin: `x = split_point(x)`.
+
+    Identity when run; under tracing, the model's layers become the segments between markers.
+    """
+    return x
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    """One piece of the model: reads `inputs`, writes `outputs` (value names)."""
+
+    name: str
+    """Unique name, shown by `describe()` (a child module's name when there is one)."""
+    module: nn.Module
+    """Runs the piece; its state-dict keys, with `prefix` in front, are the original model's."""
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    prefix: str
+    """Prefix that turns `module`'s state-dict keys into the original model's keys."""
+    packed: bool
+    """True when `module` returns a tuple with one entry per output."""
+
+    def __call__(self, *values: Any) -> tuple[Any, ...]:
+        result = self.module(*values)
+        return tuple(result) if self.packed else (result,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerGraph:
+    """The model as layers in execution order, and the names of its input and output."""
+
+    layers: tuple[Layer, ...]
+    input: str
+    output: str
+    source: str
+    """How the layers were found: 'sequential', 'fx' or 'export'."""
+
+
+def layer_graph(model: nn.Module, example: torch.Tensor | None = None) -> LayerGraph:
+    """Turn `model` into a LayerGraph; PlanError naming the construct when none can be made."""
+    if isinstance(model, nn.Sequential):
+        return _from_sequential(model)
+    try:
+        traced, opaque = _trace_fx(model)
+    except _RootUntraceable as failure:
+        return _from_export(model, example, failure.reason)
+    return _from_graph(traced, source="fx" if not opaque else f"fx (opaque: {', '.join(opaque)})")
+
+
+def _from_sequential(model: nn.Sequential) -> LayerGraph:
+    layers, previous = [], "input"
+    for name, child in model.named_children():
+        layers.append(
+            Layer(
+                name=name,
+                module=child,
+                inputs=(previous,),
+                outputs=(name,),
+                prefix=f"{name}.",
+                packed=False,
+            )
+        )
+        previous = name
+    return LayerGraph(layers=tuple(layers), input="input", output=previous, source="sequential")
+
+
+class _RootUntraceable(Exception):
+    """fx cannot trace the root forward itself; `reason` says which construct stopped it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _OpaqueTracer(fx.Tracer):
+    """An fx tracer that keeps chosen submodules opaque and remembers where tracing failed."""
+
+    def __init__(self, opaque: set[str]) -> None:
+        super().__init__(autowrap_functions=(split_point,))  # recorded as a call, not inlined
+        self.opaque = opaque
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.opaque or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module sees the error first
+                self.failed_in = self.path_of_module(m)
+            raise
+
+
+def _trace_fx(model: nn.Module) -> tuple[fx.GraphModule, list[str]]:
+    """Trace with fx, making each submodule that fails to trace opaque, innermost first."""
+    opaque: set[str] = set()
+    for _ in range(_MAX_OPAQUE_RETRIES):
+        tracer = _OpaqueTracer(opaque)
+        try:
+            graph = tracer.trace(model)
+        except Exception as error:
+            if tracer.failed_in is None or tracer.failed_in in opaque:
+                raise _RootUntraceable(f"{type(error).__name__}: {error}") from error
+            opaque.add(tracer.failed_in)
+            continue
+        return fx.GraphModule(tracer.root, graph, type(model).__name__), sorted(opaque)
+    raise _RootUntraceable(f"more than {_MAX_OPAQUE_RETRIES} submodules failed to trace")
+
+
+def _from_export(model: nn.Module, example: torch.Tensor | None, fx_reason: str) -> LayerGraph:
+    """Fall back to torch.export's graph (needs the example micro-batch)."""
+    fix = (
+        "make the model an nn.Sequential whose children are the pieces between the split "
+        "points you want (each child may hold untraceable code), or make its forward traceable"
+    )
+    if example is None:
+        raise PlanError(
+            f"torch.fx cannot trace {type(model).__name__}.forward ({fx_reason}) and there is no "
+            f"example input for torch.export; pass example_inputs= to parallelize, or {fix}"
+        )
+    try:
+        batch = {0: torch.export.Dim.AUTO}  # let predict use other batch sizes where it can
+        exported = torch.export.export(model, (example,), dynamic_shapes=(batch,))
+    except Exception as error:
+        raise PlanError(
+            f"cannot split {type(model).__name__} into layers: torch.fx stopped at "
+            f"({fx_reason}) and torch.export at ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); {fix}"
+        ) from error
+    module = exported.module()
+    if not isinstance(module, fx.GraphModule):
+        raise PlanError(f"torch.export returned {type(module).__name__}, not a graph; {fix}")
+    return _from_graph(module, source="export")
+
+
+def _owner(node: fx.Node, children: set[str]) -> str | None:
+    """The top-level child module a node belongs to, or None for code in the root forward."""
+    if node.op in ("call_module", "get_attr"):
+        head = str(node.target).split(".")[0]
+        return head if head in children else None
+    stack = node.meta.get("nn_module_stack") or {}
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        head = path.split(".")[0]
+        if head in children:
+            return head
+    return None
+
+
+def _is_marker(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is split_point
+
+
+def _groups(graph: fx.Graph, children: set[str]) -> list[tuple[str, list[fx.Node]]]:
+    """Consecutive runs of body nodes: one per split-point segment, else one per owner.
+
+    Parameter reads and shape reads are copied into every run that uses them (see
+    `_copied`), so each run is self-contained however the tracer ordered them.
+    """
+    body = [
+        n
+        for n in graph.nodes
+        if n.op not in ("placeholder", "output") and not _copied(n) and not _is_guard(n)
+    ]
+    runs: list[tuple[str, list[fx.Node]]] = []
+    if any(_is_marker(n) for n in body):
+        runs.append(("part0", []))
+        for node in body:
+            if _is_marker(node):
+                runs.append((f"part{len(runs)}", []))
+            else:
+                runs[-1][1].append(node)
+    else:
+        owners = [_owner(n, children) for n in body]
+        leading = next((o for o in owners if o is not None), "root")
+        for node, owner in zip(body, owners, strict=True):
+            # root-level code joins the layer before it (the first layer when it leads)
+            key = owner if owner is not None else (runs[-1][0] if runs else leading)
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append(node)
+            else:
+                runs.append((key, [node]))
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    closed = [(name, _with_copies(nodes, position)) for name, nodes in runs]
+    return _unique_names([(name, nodes) for name, nodes in closed if nodes])
+
+
+def _copied(node: fx.Node) -> bool:
+    """Nodes each reader recomputes instead of receiving: parameter reads and shape reads.
+
+    A shape is a Python int, not a tensor, so it cannot travel between stages; reading it
+    again where it is needed costs nothing.
+    """
+    if node.op == "get_attr":
+        return True
+    if node.op == "call_method":
+        return node.target == "size"
+    return node.op == "call_function" and (
+        node.target is torch.ops.aten.sym_size.int
+        or (node.target is getattr and node.args[1:] == ("shape",))
+        or (node.target is operator.getitem and _copied(node.args[0]))  # type: ignore[arg-type]
+    )
+
+
+def _is_guard(node: fx.Node) -> bool:
+    """torch.export's input-shape guards: a check, not part of the data flow."""
+    return node.op == "call_module" and node.target == "_guards_fn"
+
+
+def _with_copies(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
+    """`nodes` plus the copied nodes they read (transitively), in graph order."""
+    members = set(nodes)
+    pending = list(nodes)
+    while pending:
+        for source_node in pending.pop().all_input_nodes:
+            if _copied(source_node) and source_node not in members:
+                members.add(source_node)
+                pending.append(source_node)
+    return sorted(members, key=position.__getitem__)
+
+
+def _unique_names(runs: list[tuple[str, list[fx.Node]]]) -> list[tuple[str, list[fx.Node]]]:
+    """A module called twice at separate places gives two layers: 'enc' and 'enc_2'."""
+    seen: dict[str, int] = {}
+    named = []
+    for key, nodes in runs:
+        seen[key] = seen.get(key, 0) + 1
+        named.append((key if seen[key] == 1 else f"{key}_{seen[key]}", nodes))
+    return named
+
+
+def _from_graph(traced: fx.GraphModule, *, source: str) -> LayerGraph:
+    """Cut a traced graph into layers, each a GraphModule over the original submodules."""
+    graph = traced.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        names = ", ".join(str(n.target) for n in placeholders)
+        raise PlanError(
+            f"the model's forward takes {len(placeholders)} inputs ({names}); the layer split "
+            "pipelines models with one input tensor; wrap the model so forward takes one tensor"
+        )
+    result = next(n for n in graph.nodes if n.op == "output").args[0]
+    if isinstance(result, (tuple, list)) and len(result) == 1:
+        result = result[0]  # torch.export flattens the output into a tuple
+    if not isinstance(result, fx.Node):
+        raise PlanError(
+            f"the model returns {type(result).__name__}, not one tensor; the layer split needs "
+            "a single tensor output for the loss; wrap the model to return one tensor"
+        )
+    alias = {n: n.args[0] for n in graph.nodes if _is_marker(n)}
+
+    def resolve(node: fx.Node) -> fx.Node:
+        while node in alias:
+            node = alias[node]
+        return node
+
+    children = {name for name, _ in traced.named_children()}
+    groups = _groups(graph, children)
+    final = resolve(result)
+    readers: dict[fx.Node, set[int]] = {}
+    for index, (_, nodes) in enumerate(groups):
+        for node in nodes:
+            for source_node in node.all_input_nodes:
+                readers.setdefault(resolve(source_node), set()).add(index)
+    layers = []
+    for index, (name, nodes) in enumerate(groups):
+        outputs = [
+            n
+            for n in nodes
+            if not _copied(n)
+            and (n is final or any(reader != index for reader in readers.get(n, ())))
+        ]
+        if not outputs:
+            continue  # nothing reads it (e.g. export's shape guards): not part of the data flow
+        inputs = _external_inputs(nodes, resolve)
+        layers.append(
+            Layer(
+                name=name,
+                module=_sub_module(traced, name, nodes, inputs, outputs, resolve),
+                inputs=tuple(n.name for n in inputs),
+                outputs=tuple(n.name for n in outputs),
+                prefix="",
+                packed=True,
+            )
+        )
+    return LayerGraph(
+        layers=tuple(layers), input=placeholders[0].name, output=final.name, source=source
+    )
+
+
+def _external_inputs(nodes: list[fx.Node], resolve: Callable[[fx.Node], fx.Node]) -> list[fx.Node]:
+    """Values a run reads but does not compute: its placeholders, in first-use order."""
+    inside = set(nodes)
+    inputs: list[fx.Node] = []
+    for node in nodes:
+        for source_node in map(resolve, node.all_input_nodes):
+            if source_node not in inside and source_node not in inputs:
+                inputs.append(source_node)
+    return inputs
+
+
+def _sub_module(
+    traced: fx.GraphModule,
+    name: str,
+    nodes: list[fx.Node],
+    inputs: list[fx.Node],
+    outputs: list[fx.Node],
+    resolve: Callable[[fx.Node], fx.Node],
+) -> fx.GraphModule:
+    """A GraphModule running `nodes`; it keeps the root's qualified names for its submodules."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[resolve(n)])
+    graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(traced, graph, f"Layer_{name}")

@@ -1,0 +1,206 @@
+"""Point-to-point transfers between stages: batched isend/irecv, shapes learnt once, pooled buffers.
+
+A message is a list of tensors from one rank to another. The first time a sender sends a
+message under a given key (the micro-batch's input signature), it puts a header in front:
+[length] then [dtype, requires_grad, ndim, *shape] per tensor. The receiver reads the header
+once, remembers it under the same key, and from then on receives straight into buffers from
+a pool, so a step allocates nothing new once the pool is warm. Sends are asynchronous (the
+caller keeps the works and the tensors alive until they finish); receives block, bounded by
+the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver must know to allocate a buffer for one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+
+def encode(metas: list[TensorMeta]) -> torch.Tensor:
+    """Header for a message: per tensor [dtype index, requires_grad, ndim, *shape] (int64)."""
+    values: list[int] = []
+    for meta in metas:
+        values += [DTYPES.index(meta.dtype), int(meta.requires_grad), len(meta.shape), *meta.shape]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode(header: torch.Tensor) -> list[TensorMeta]:
+    values = header.tolist()
+    metas, at = [], 0
+    while at < len(values):
+        dtype, grad, ndim = values[at : at + 3]
+        shape = tuple(values[at + 3 : at + 3 + ndim])
+        metas.append(TensorMeta(shape, DTYPES[dtype], bool(grad)))
+        at += 3 + ndim
+    return metas
+
+
+class BufferPool:
+    """Receive buffers reused across micro-batches and steps, keyed by (shape, dtype).
+
+    A buffer is lent by `take` and comes back with `give` once nothing reads it any more
+    (after the backward that used it); `allocations` counts buffers ever created.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.allocations = 0
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._storages: set[int] = set()
+
+    def take(self, meta: TensorMeta) -> torch.Tensor:
+        free = self._free.get((meta.shape, meta.dtype))
+        if free:
+            return free.pop()
+        self.allocations += 1
+        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        self._storages.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` shares memory with a pool buffer (it may be overwritten later)."""
+        return tensor.untyped_storage().data_ptr() in self._storages
+
+
+@dataclass
+class Sending:
+    """Sends in flight, and the tensors they read (kept alive until `wait`)."""
+
+    works: list[Any]
+    tensors: list[torch.Tensor]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works, self.tensors = [], []
+
+
+@dataclass(frozen=True)
+class Received:
+    """One message: tensors in pool buffers, with what the sender said about them."""
+
+    tensors: list[torch.Tensor]
+    metas: list[TensorMeta]
+
+
+class Exchange:
+    """This rank's point-to-point traffic with the other stages (global ranks)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = BufferPool(device)
+        self._told: set[tuple[int, Hashable]] = set()
+        self._heard: dict[tuple[int, Hashable], list[TensorMeta]] = {}
+
+    def send(self, messages: list[tuple[int, list[torch.Tensor]]], key: Hashable | None) -> Sending:
+        """Start sending each (peer, tensors), with a header the first time for `key`.
+
+        `key=None` sends no header: the receiver knows the shapes (gradients of what it sent).
+        A tensor that lives in a pool buffer is copied first: the buffer may be reused for
+        the next receive while this send is still in flight.
+        """
+        ops, keep = [], []
+        for peer, tensors in messages:
+            if key is not None and (peer, key) not in self._told:
+                header = encode([TensorMeta.of(t) for t in tensors]).to(self.device)
+                length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
+                ops += [dist.P2POp(dist.isend, length, peer), dist.P2POp(dist.isend, header, peer)]
+                keep += [length, header]
+                self._told.add((peer, key))
+            for tensor in tensors:
+                data = tensor.detach()
+                data = data.clone() if self.pool.owns(data) else data.contiguous()
+                ops.append(dist.P2POp(dist.isend, data, peer))
+                keep.append(data)
+        return Sending(works=dist.batch_isend_irecv(ops) if ops else [], tensors=keep)
+
+    def receive(self, peers: list[int], key: Hashable) -> list[Received]:
+        """One message from each peer, into pool buffers; learns its header the first time."""
+        unknown = [peer for peer in peers if (peer, key) not in self._heard]
+        if unknown:
+            lengths = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in unknown]
+            self._wait([(peer, t) for peer, t in zip(unknown, lengths, strict=True)])
+            headers = [
+                torch.empty(int(n.item()), dtype=torch.int64, device=self.device) for n in lengths
+            ]
+            self._wait([(peer, t) for peer, t in zip(unknown, headers, strict=True)])
+            for peer, header in zip(unknown, headers, strict=True):
+                self._heard[(peer, key)] = decode(header.cpu())
+        return self.receive_like([(peer, self._heard[(peer, key)]) for peer in peers])
+
+    def receive_like(self, messages: list[tuple[int, list[TensorMeta]]]) -> list[Received]:
+        """One message from each peer whose shapes this rank already knows (e.g. gradients)."""
+        received = [
+            Received(tensors=[self.pool.take(meta) for meta in metas], metas=metas)
+            for _, metas in messages
+        ]
+        self._wait(
+            [
+                (peer, tensor)
+                for (peer, _), message in zip(messages, received, strict=True)
+                for tensor in message.tensors
+            ]
+        )
+        return received
+
+    def _wait(self, receives: list[tuple[int, torch.Tensor]]) -> None:
+        if receives:
+            ops = [dist.P2POp(dist.irecv, tensor, peer) for peer, tensor in receives]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+
+def broadcast_tensor(
+    tensor: torch.Tensor | None, src: int, group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
+    """`tensor` from global rank `src` on every rank of `group` (shape sent first)."""
+    header = torch.empty(0, dtype=torch.int64)
+    if tensor is not None:
+        header = encode([TensorMeta(tuple(tensor.shape), tensor.dtype, False)])
+    length = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src, group=group)
+    if tensor is None:
+        header = torch.empty(int(length.item()), dtype=torch.int64)
+    header = header.to(device)
+    dist.broadcast(header, src=src, group=group)
+    (meta,) = decode(header.cpu())
+    if tensor is None:
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    else:
+        out = tensor.contiguous()
+    dist.broadcast(out, src=src, group=group)
+    return out

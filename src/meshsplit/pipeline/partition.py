@@ -1,0 +1,103 @@
+"""Balanced layer split: contiguous stages that minimise the slowest stage. Numbers in, numbers out.
+
+With per-layer costs c_1..c_n and p stages, find boundaries 0 = b_0 < b_1 < ... < b_p = n
+minimising max_k sum(c[b_{k-1}:b_k]). In a pipeline every stage runs every micro-batch,
+so the step time is set by the slowest stage; this is the linear partition problem, solved
+exactly by dynamic programming over prefix sums:
+
+    best[k][i] = min over j < i of max(best[k-1][j], S[i] - S[j])
+
+where S is the prefix sum and best[k][i] is the optimum for the first i layers in k stages.
+Many splits often share the optimal maximum (only the slowest stage counts), so ties are
+broken by the smaller sum of squared stage costs: the other stages come out even too,
+instead of one of them holding a single cheap layer. O(p * n^2) time, trivial for the tens
+to hundreds of layers of a real model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshsplit.plan import PlanError
+
+__all__: list[str] = []
+
+
+def balance(
+    costs: Sequence[float], stages: int, anchors: Sequence[bool] | None = None
+) -> tuple[int, ...]:
+    """Layers per stage (contiguous, each >= 1) that minimise the largest stage cost.
+
+    With `anchors`, every stage must also hold at least one anchored layer (the runner
+    anchors layers with parameters: a stage with nothing to train has no optimizer).
+    """
+    check_split(len(costs), stages)
+    n = len(costs)
+    anchors = [True] * n if anchors is None else list(anchors)
+    if sum(anchors) < stages:
+        raise PlanError(
+            f"Plan.pp={stages} exceeds the {sum(anchors)} layers with parameters of the model "
+            f"(each stage needs one); use pp <= {sum(anchors)}"
+        )
+    prefix, held = [0.0], [0]
+    for cost, anchored in zip(costs, anchors, strict=True):
+        prefix.append(prefix[-1] + cost)
+        held.append(held[-1] + int(anchored))
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # (largest stage, sum of squares)
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, stages + 1):
+        # stage k ends after layer i; the k-1 stages before it need at least k-1 layers
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                if held[i] == held[j]:
+                    continue
+                largest, squares = best[k - 1][j]
+                stage = prefix[i] - prefix[j]
+                candidate = (max(largest, stage), squares + stage * stage)
+                if candidate < best[k][i]:
+                    best[k][i], cut[k][i] = candidate, j
+    sizes = []
+    end = n
+    for k in range(stages, 0, -1):
+        start = cut[k][end]
+        sizes.append(end - start)
+        end = start
+    return tuple(reversed(sizes))
+
+
+def stage_costs(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
+    """Total cost of each stage for the split `sizes`."""
+    totals, start = [], 0
+    for size in sizes:
+        totals.append(sum(costs[start : start + size]))
+        start += size
+    return totals
+
+
+def check_split(layers: int, stages: int, sizes: Sequence[int] | None = None) -> None:
+    """Refuse a split that leaves a stage empty or does not cover the model's layers."""
+    if stages > layers:
+        raise PlanError(
+            f"Plan.pp={stages} exceeds the {layers} layers of the model; use pp <= {layers} "
+            "(or mark more split points)"
+        )
+    if sizes is None:
+        return
+    if len(sizes) != stages or any(size < 1 for size in sizes):
+        raise PlanError(
+            f"Plan.stages={list(sizes)} must give each of pp={stages} stages at least one "
+            f"layer; e.g. stages={list(_even(layers, stages))}"
+        )
+    if sum(sizes) != layers:
+        raise PlanError(
+            f"Plan.stages={list(sizes)} covers {sum(sizes)} layers but the model has {layers}; "
+            f"use stages that sum to {layers}, e.g. stages={list(_even(layers, stages))}"
+        )
+
+
+def _even(layers: int, stages: int) -> tuple[int, ...]:
+    """The most even split by layer count, for suggestions in error messages."""
+    base, extra = divmod(layers, stages)
+    return tuple(base + (1 if k < extra else 0) for k in range(stages))

@@ -1,0 +1,222 @@
+"""One pipeline stage: its layers, the values it exchanges, and how it runs F(j) and B(j).
+
+Data flow between stages follows the layer graph, not the stage order: a value made on
+stage a and read on stages b > a goes straight from a to each b (a skip connection is not
+relayed through the stages between). Forward: receive the values this stage reads, run its
+layers, send what later stages read. Backward: receive the gradients of what it sent, run
+autograd from those tensors, send the gradients of what it received back to their makers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshsplit.memory import recompute
+from meshsplit.pipeline.frontend import Layer, LayerGraph
+from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
+from meshsplit.pipeline.schedules import Action
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True, kw_only=True)
+class Routes:
+    """The values one stage receives from earlier stages and sends to later ones."""
+
+    receives: tuple[tuple[int, tuple[str, ...]], ...]
+    """(source stage, value names), by source stage."""
+    sends: tuple[tuple[int, tuple[str, ...]], ...]
+    """(destination stage, value names), by destination stage."""
+
+
+def plan_routes(graph: LayerGraph, sizes: Sequence[int]) -> list[Routes]:
+    """Routes of every stage when stage k holds the next sizes[k] layers (a pure function).
+
+    The model input is on every rank, so it is never sent; the model output is read by the
+    last stage (the loss), wherever it is made.
+    """
+    stage_of_layer = [k for k, size in enumerate(sizes) for _ in range(size)]
+    maker: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    order: list[str] = []
+    for layer, stage in zip(graph.layers, stage_of_layer, strict=True):
+        for name in layer.inputs:
+            readers.setdefault(name, [])
+            if stage not in readers[name]:
+                readers[name].append(stage)
+        for name in layer.outputs:
+            maker[name] = stage
+            order.append(name)
+    readers.setdefault(graph.output, []).append(len(sizes) - 1)
+    links: dict[tuple[int, int], list[str]] = {}
+    for name in order:
+        for reader in readers.get(name, []):
+            if reader != maker[name] and name not in links.get((maker[name], reader), []):
+                links.setdefault((maker[name], reader), []).append(name)
+    return [
+        Routes(
+            receives=tuple((src, tuple(v)) for (src, dst), v in sorted(links.items()) if dst == k),
+            sends=tuple((dst, tuple(v)) for (src, dst), v in sorted(links.items()) if src == k),
+        )
+        for k in range(len(sizes))
+    ]
+
+
+@dataclass
+class _InFlight:
+    """A micro-batch between its forward and its backward on this stage."""
+
+    received: list[list[torch.Tensor]]
+    buffers: list[torch.Tensor]
+    sent: list[list[torch.Tensor]]
+    sending: Sending
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class _Step:
+    """What one pass over the micro-batches keeps until it ends."""
+
+    in_flight: dict[int, _InFlight] = field(default_factory=dict)
+    sending: list[Sending] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+
+
+class Stage:
+    """This rank's layers and their traffic with the other stages of its pipeline."""
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        stages: int,
+        layers: Sequence[Layer],
+        graph: LayerGraph,
+        routes: Routes,
+        peers: Sequence[int],
+        exchange: Exchange,
+        recompute: bool,
+    ) -> None:
+        self.index = index
+        self.last = index == stages - 1
+        self.layers = list(layers)
+        self.module = nn.ModuleDict({layer.name: layer.module for layer in layers})
+        self.routes = routes
+        self.peers = list(peers)
+        self.exchange = exchange
+        self.recompute = recompute
+        self.model_input = graph.input
+        self.model_output = graph.output
+        self.received_names = [n for _, names in routes.receives for n in names]
+        self.made = list(dict.fromkeys(n for _, names in routes.sends for n in names))
+        if self.last:
+            self.made.append(graph.output)
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor] | None,
+        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> _Step:
+        """Run `actions` over the micro-batches; with no targets, forward only (inference)."""
+        step = _Step()
+        for action in actions:
+            if action.kind == "F":
+                target = targets[action.micro] if targets is not None else None
+                self._forward(step, action.micro, inputs[action.micro], target, loss_of)
+            else:
+                self._backward(step, action.micro)
+        # on an error the sends are left unfinished on purpose: waiting for a peer that may
+        # never receive would turn a failure into a hang; the job ends instead
+        for sending in step.sending:
+            sending.wait()
+        return step
+
+    def _key(self, x: torch.Tensor) -> Hashable:
+        """What fixes every shape this micro-batch sends: its input's signature and the mode."""
+        return (tuple(x.shape), x.dtype, torch.is_grad_enabled(), self.module.training)
+
+    def _forward(
+        self,
+        step: _Step,
+        micro: int,
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        key = self._key(x)
+        messages = self.exchange.receive([self.peers[src] for src, _ in self.routes.receives], key)
+        received = [_leaves(message) for message in messages]
+        flat = [t for tensors in received for t in tensors]
+        made = recompute.run(self._compute, x, *flat, recompute=self.recompute)
+        values = dict(zip(self.made, made, strict=True))
+        sent = [[values[n] for n in names] for _, names in self.routes.sends]
+        sending = self.exchange.send(
+            [(self.peers[dst], t) for (dst, _), t in zip(self.routes.sends, sent, strict=True)],
+            key,
+        )
+        buffers = [b for message in messages for b in message.tensors]
+        if y is None:  # inference: nothing to keep for a backward
+            step.sending.append(sending)
+            if self.last:
+                output = values[self.model_output]
+                step.outputs.append(output.clone() if self.exchange.pool.owns(output) else output)
+            for buffer in buffers:
+                self.exchange.pool.give(buffer)
+            return
+        flight = _InFlight(received=received, buffers=buffers, sent=sent, sending=sending)
+        if self.last and loss_of is not None:
+            flight.loss = loss_of(values[self.model_output], y)
+            step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
+        step.in_flight[micro] = flight
+
+    def _compute(self, x: torch.Tensor, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This stage's layers on one micro-batch: received values in, values it makes out."""
+        values = {self.model_input: x, **dict(zip(self.received_names, received, strict=True))}
+        for layer in self.layers:
+            outputs = layer(*(values[n] for n in layer.inputs))
+            values.update(zip(layer.outputs, outputs, strict=True))
+        return tuple(values[n] for n in self.made)
+
+    def _backward(self, step: _Step, micro: int) -> None:
+        flight = step.in_flight.pop(micro)
+        flight.sending.wait()  # the readers have finished this forward: they sent our gradients
+        if flight.loss is not None:
+            flight.loss.backward()
+        wanted = [
+            (self.peers[dst], [TensorMeta.of(t) for t in tensors if t.requires_grad])
+            for (dst, _), tensors in zip(self.routes.sends, flight.sent, strict=True)
+        ]
+        grads = self.exchange.receive_like([(peer, metas) for peer, metas in wanted if metas])
+        roots = [t for tensors in flight.sent for t in tensors if t.requires_grad]
+        seeds = [g for message in grads for g in message.tensors]
+        if roots:
+            torch.autograd.backward(roots, seeds)
+        for seed in seeds:
+            self.exchange.pool.give(seed)
+        back = [
+            (self.peers[src], [_grad_of(t) for t in tensors if t.requires_grad])
+            for (src, _), tensors in zip(self.routes.receives, flight.received, strict=True)
+        ]
+        step.sending.append(self.exchange.send([(p, g) for p, g in back if g], key=None))
+        for buffer in flight.buffers:
+            self.exchange.pool.give(buffer)
+
+
+def _leaves(message: Received) -> list[torch.Tensor]:
+    """Received values as autograd leaves, needing a gradient where the sender's value did."""
+    return [
+        buffer.detach().requires_grad_(meta.requires_grad and torch.is_grad_enabled())
+        for buffer, meta in zip(message.tensors, message.metas, strict=True)
+    ]
+
+
+def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
+    """The gradient a received value collected (zeros if nothing here used it)."""
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

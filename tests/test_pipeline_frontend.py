@@ -1,0 +1,192 @@
+"""The front end: any nn.Module to ordered layers whose data flow reproduces the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import meshsplit as ms
+from meshsplit.pipeline import split_point
+from meshsplit.pipeline.frontend import LayerGraph, layer_graph
+from meshsplit.pipeline.profile import profile_layers
+from meshsplit.pipeline.runner import refuse_shared_parameters, refuse_stages_without_parameters
+from meshsplit.pipeline.stage import plan_routes
+
+from reference import build
+
+
+def _run(graph: LayerGraph, x: torch.Tensor) -> torch.Tensor:
+    values = {graph.input: x}
+    for layer in graph.layers:
+        values.update(zip(layer.outputs, layer(*(values[n] for n in layer.inputs)), strict=True))
+    return values[graph.output]
+
+
+def _state_names(graph: LayerGraph) -> set[str]:
+    return {layer.prefix + key for layer in graph.layers for key in layer.module.state_dict()}
+
+
+class Gate(nn.Module):
+    """Data-dependent control flow: fx cannot trace through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale if x.sum() > 0 else -x
+
+
+class Encoder(nn.Module):
+    """A model around an untraceable child: the front end keeps that child opaque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.gate = nn.Sequential(nn.Linear(16, 16), Gate())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(self.embed(x)))
+
+
+class Marked(nn.Module):
+    """Split points by hand: three pieces, whatever the module structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = split_point(torch.relu(self.a(x)))
+        x = torch.relu(self.b(x)) + x
+        return self.c(split_point(x))
+
+
+class RankDependent(nn.Module):
+    """fx cannot branch on x.dim(); torch.export can (the rank is static)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(784, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2:
+            x = x.flatten(1)
+        return self.b(torch.relu(self.a(x)))
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) if x.sum() > 0 else -self.a(x)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "skip_mlp"])
+def test_layers_reproduce_the_model_and_keep_its_names(name: str) -> None:
+    model = build(name)
+    x = (
+        torch.randint(0, 64, (3, 8))
+        if name == "transformer"
+        else ms.data.synthetic_images(3, seed=2)[0]
+    )
+    graph = layer_graph(model, x)
+    torch.testing.assert_close(_run(graph, x), model(x))
+    assert _state_names(graph) == set(model.state_dict())
+
+
+def test_sequential_children_are_the_layers() -> None:
+    graph = layer_graph(ms.models.mlp((784, 16, 10)))
+    assert [layer.name for layer in graph.layers] == ["flatten", "fc1", "relu1", "fc2"]
+    assert graph.source == "sequential"
+
+
+def test_skip_connection_is_sent_straight_to_the_stage_that_reads_it() -> None:
+    graph = layer_graph(build("skip_mlp"))
+    assert [layer.name for layer in graph.layers] == ["flatten", "inp", "b1", "b2", "b3", "head"]
+    assert graph.layers[4].inputs == ("b2_1", "inp")  # b3's layer reads inp: the skip
+    routes = plan_routes(graph, (2, 1, 1, 2))
+    assert routes[0].sends == ((1, ("inp",)), (3, ("inp",)))
+    assert routes[3].receives == ((0, ("inp",)), (2, ("b2_1",)))
+    assert routes[1].receives == ((0, ("inp",)),) and routes[1].sends == ((2, ("b1_1",)),)
+
+
+def test_untraceable_submodule_becomes_one_opaque_layer() -> None:
+    model = Encoder().eval()
+    x = torch.randn(2, 5, 8)
+    graph = layer_graph(model, x)
+    assert [layer.name for layer in graph.layers] == ["embed", "gate", "head"]
+    assert "opaque: gate.1" in graph.source
+    torch.testing.assert_close(_run(graph, x), model(x))
+    assert _state_names(graph) == set(model.state_dict())
+
+
+def test_split_points_mark_the_layers_by_hand() -> None:
+    model = Marked()
+    x = torch.randn(4, 8)
+    graph = layer_graph(model, x)
+    assert [layer.name for layer in graph.layers] == ["part0", "part1", "part2"]
+    torch.testing.assert_close(_run(graph, x), model(x))
+
+
+def test_export_takes_over_where_fx_fails_in_the_root_forward() -> None:
+    model = RankDependent()
+    x = ms.data.synthetic_images(4, seed=3)[0]
+    graph = layer_graph(model, x)
+    assert graph.source == "export"
+    assert [layer.name for layer in graph.layers] == ["a", "b"]
+    torch.testing.assert_close(_run(graph, x), model(x))
+    assert _state_names(graph) == set(model.state_dict())
+
+
+def test_untraceable_model_is_a_plan_error_naming_the_construct_and_the_fix() -> None:
+    with pytest.raises(ms.PlanError) as caught:
+        layer_graph(DataDependent(), torch.randn(2, 8))
+    message = str(caught.value)
+    assert "control flow" in message  # what stopped fx
+    assert "nn.Sequential whose children are the pieces" in message  # how to split by hand
+    with pytest.raises(ms.PlanError, match="example_inputs="):
+        layer_graph(DataDependent())
+
+
+def test_profile_measures_every_layer_and_leaves_the_model_unchanged() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 8)
+    rng = torch.random.get_rng_state()
+    costs = profile_layers(layer_graph(model), x)
+    assert len(costs) == 4
+    assert all(c.forward_ms > 0 and c.backward_ms >= 0 for c in costs)
+    assert costs[0].parameter_bytes == (64 + 8) * 4 and costs[2].parameter_bytes == 0
+    assert costs[0].activation_bytes == 4 * 8 * 4
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+class Tied(nn.Module):
+    """Input embedding and output head share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.embed(ids)))
+
+
+def test_stages_that_cannot_train_are_refused_before_any_step() -> None:
+    graph = layer_graph(Tied())
+    with pytest.raises(ms.PlanError, match="share a parameter; tied weights cannot span stages"):
+        refuse_shared_parameters(graph, [0, 1, 3])
+    refuse_shared_parameters(graph, [0, 3])  # one stage holds both: fine
+    mlp = layer_graph(ms.models.mlp((784, 16, 10)))  # flatten fc1 relu1 fc2
+    with pytest.raises(ms.PlanError, match=r"stage 0 of Plan.stages=\[1, 3\] holds only layers"):
+        refuse_stages_without_parameters(mlp, [0, 1, 4])
