@@ -50,8 +50,9 @@ def uninterrupted() -> tuple[list[float], dict]:
         (ms.Plan(dp=2, zero=True), ms.Plan()),
         (ms.Plan(tp=2), ms.Plan(dp=2)),
         (ms.Plan(dp=2), ms.Plan(tp=2)),
+        (ms.Plan(dp=2, pp=2, micro_batches=2), ms.Plan(dp=2, tp=2)),
     ],
-    ids=["dp2-to-1", "zero-to-1", "tp2-to-dp2", "dp2-to-tp2"],
+    ids=["dp2-to-1", "zero-to-1", "tp2-to-dp2", "dp2-to-tp2", "dp2pp2-to-dp2tp2"],
 )
 def test_resume_across_plans_equals_uninterrupted(
     tmp_path, uninterrupted, saved_under: ms.Plan, loaded_under: ms.Plan
