@@ -37,3 +37,20 @@ def test_hybrid_plans_match_single_process(workers: int, cases: list) -> None:
     per_rank = ms.launch(_run, workers, args=(cases,))
     for index, (model, opt, _shape) in enumerate(cases):
         assert_matches([rank[index] for rank in per_rank], train_single(model, opt))
+
+
+def _held_after_split() -> tuple[int, int]:
+    model = ms.models.mlp()
+    example = ms.data.synthetic_images(4)[0]
+    engine = ms.parallelize(model, ms.Plan(pp=2), example_inputs=example)
+    held = sum(p.numel() for p in model.parameters())
+    runs = sum(p.numel() for p in engine.runner.parameters())
+    engine.close()
+    return held, runs
+
+
+def test_each_stage_holds_only_its_own_weights() -> None:
+    total = sum(p.numel() for p in ms.models.mlp().parameters())
+    per_rank = ms.launch(_held_after_split, 2)
+    assert all(held == runs for held, runs in per_rank)
+    assert sum(runs for _, runs in per_rank) == total

@@ -75,6 +75,7 @@ class PipelineRunner:
         self._state = _local_state(model, graph, starts, self.index)
         self._description = _describe(graph, costs, starts, plan)
         self._last_rank = mesh.global_rank(pp=plan.pp - 1)
+        _release_other_stages(model, self.module)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -171,6 +172,15 @@ def refuse_stages_without_parameters(graph: LayerGraph, starts: list[int]) -> No
                 f"parameters ({', '.join(layer.name for layer in layers)}); give it a layer with "
                 "parameters via Plan.stages, or use fewer stages"
             )
+
+
+def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:
+    """Free the weights this rank does not run, so each rank holds only its stage's share."""
+    kept = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if id(tensor) not in kept:
+                tensor.data = tensor.data.new_empty(0)
 
 
 def _local_state(
