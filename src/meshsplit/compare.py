@@ -92,8 +92,8 @@ def _model(config: CompareConfig) -> torch.nn.Module:
 
 def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:
     """Runs in every worker: train the fixed steps under `plan`; this rank's figures."""
+    steps = batches(config)  # before the engine: loading data is not the plan's memory
     engine = parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=_loss_fn(config))
-    steps = batches(config)
     losses = [engine.train_step(*steps[0])]
     started = time.perf_counter()
     with count_traffic() as traffic:
@@ -152,7 +152,8 @@ def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str,
         return {**row, "refused": error.message}
     losses = results[0]["losses"]
     slowest = max(result["seconds"] for result in results)
-    peaks = [result["memory"]["peak_bytes"] for result in results]
+    # What training added on each rank: the process peak less what torch held before it.
+    peaks = [m["peak_bytes"] - m["baseline_bytes"] for m in (r["memory"] for r in results)]
     matched = torch.allclose(
         torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=1e-6
     )

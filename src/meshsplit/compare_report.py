@@ -44,7 +44,8 @@ HEADERS = [
     "final loss",
     "= 1 device",
 ]
-"""Peak memory is per rank (the largest and smallest rank); MiB sent sums all ranks."""
+"""Peak memory is what training added per rank (largest and smallest rank) above the
+process's memory before the model existed; MiB sent sums all ranks."""
 
 
 def table(config: CompareConfig, rows: list[dict[str, Any]]) -> Table:
@@ -113,7 +114,7 @@ def _figure(config: CompareConfig, rows: list[dict[str, Any]], path: Path) -> No
     lows = [min(row["peak_memory_bytes"]) / _MIB for row in ran]
     memory.barh(labels, peaks, color="tab:orange", label="max rank")
     memory.barh(labels, lows, color="tab:green", label="min rank")
-    memory.set_xlabel("peak memory per rank, MiB")
+    memory.set_xlabel("peak memory added by training, per rank, MiB")
     memory.legend(loc="lower right")
     figure.suptitle(
         f"meshsplit compare: {config.model} on {config.devices} workers, "

@@ -18,7 +18,14 @@ from torch import nn
 
 from meshsplit import checkpoint, tensor
 from meshsplit.data_parallel import GradientSync, shard_optimizer
-from meshsplit.memory.report import MemoryReport, optimizer_bytes, peak_bytes, tensor_bytes
+from meshsplit.memory.report import (
+    MemoryReport,
+    baseline_bytes,
+    optimizer_bytes,
+    peak_bytes,
+    reset_peak,
+    tensor_bytes,
+)
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan
@@ -45,6 +52,8 @@ def parallelize(
     first batch the engine sees.
     """
     mesh = Mesh.build(plan)
+    baseline = baseline_bytes(model, mesh.device)
+    reset_peak(mesh.device)
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
     decisions = tensor.parallelize(model, mesh, plan.tp_plan) if plan.tp > 1 else []
@@ -62,6 +71,7 @@ def parallelize(
         loss_fn=loss,
         make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
         operator_split=decisions,
+        baseline_bytes=baseline,
     )
     if plan.pp == 1 or example_inputs is not None:
         engine.build(example_inputs)
@@ -89,6 +99,7 @@ class Engine:
         loss_fn: LossFn,
         make_optimizer: OptimizerFactory,
         operator_split: list[tensor.Decision] | None = None,
+        baseline_bytes: int = 0,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -99,6 +110,8 @@ class Engine:
         self._build_runner = build_runner
         self._make_optimizer = make_optimizer
         self.operator_split = operator_split or []
+        self.baseline_bytes = baseline_bytes
+        """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
 
     def build(self, example_inputs: torch.Tensor | None) -> _Parts:
@@ -256,6 +269,7 @@ class Engine:
         return MemoryReport(
             rank=dist.get_rank(),
             peak_bytes=peak_bytes(self.mesh.device),
+            baseline_bytes=self.baseline_bytes,
             parameter_bytes=tensor_bytes(self.runner.parameters()),
             gradient_bytes=self.sync.gradient_bytes(),
             optimizer_bytes=optimizer_bytes(self.optimizer),

@@ -19,6 +19,10 @@ class MemoryReport:
     rank: int
     peak_bytes: int
     """Peak resident memory of the process (CPU) or peak allocated memory (GPU)."""
+    baseline_bytes: int
+    """What the process held, besides the model, when it was handed to meshsplit (CPU: torch,
+    libraries, data; 0 on GPU), so peak_bytes - baseline_bytes is what the split model and
+    its training added."""
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -46,9 +50,53 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """A memory figure (kB) from /proc/self/status, in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process now (Linux); the lifetime peak elsewhere."""
+    now = _proc_status_bytes("VmRSS")
+    return now if now is not None else _lifetime_peak()
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start peak tracking afresh: the allocator's peak on GPU, the RSS high-water mark on
+    Linux (writing 5 to /proc/self/clear_refs); elsewhere the lifetime peak stands."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+def baseline_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Memory held now, less the model's own tensors: the part training is not responsible for."""
+    if device.type == "cuda":
+        return 0
+    return resident_bytes() - tensor_bytes(model.state_dict().values())
+
+
 def peak_bytes(device: torch.device) -> int:
-    """Peak memory of this process on `device`: allocator peak on GPU, max RSS on CPU."""
+    """Peak memory of this process on `device` since `reset_peak`: allocator peak on GPU,
+    RSS high-water mark on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    peak = _proc_status_bytes("VmHWM")
+    return peak if peak is not None else _lifetime_peak()
+
+
+def _lifetime_peak() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
