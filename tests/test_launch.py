@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -82,3 +85,30 @@ def test_stuck_peer_times_out_instead_of_hanging() -> None:
 def test_launch_rejects_bad_process_count() -> None:
     with pytest.raises(ValueError, match="nprocs"):
         ms.launch(_threads, 0)
+
+
+def test_launch_joins_a_torchrun_job(tmp_path) -> None:
+    out = tmp_path / "results.json"
+    script = Path(__file__).with_name("torchrun_job.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world"] == 2 for r in results)
+    assert results[0]["loss"] == results[1]["loss"]
