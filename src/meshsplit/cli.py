@@ -213,6 +213,8 @@ def compare(args: argparse.Namespace) -> None:
         raise PlanError(f"--devices={config.devices} must be at least 1")
     rows = run_comparison(config)
     console = Console()
+    if not console.is_terminal:  # piped or logged: room for every column
+        console = Console(width=120)
     console.print(compare_report.table(config, rows))
     for path in compare_report.write(config, rows, args.out):
         console.print(f"wrote {path}")
