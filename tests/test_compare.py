@@ -61,8 +61,18 @@ def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
     rows = json.loads((tmp_path / "compare.json").read_text())["plans"]
     assert len(rows) == 6
     ran = [row for row in rows if "refused" not in row]
-    assert ran, "no plan ran"
+    assert len(ran) == 6, [row.get("refused") for row in rows]  # the MLP takes every plan
     assert all(row["loss_matches"] for row in ran)
     assert max(row["ratio_to_best"] for row in ran) == 1.0
     assert all(len(row["peak_memory_bytes"]) == 4 for row in ran)
     assert "dp4 pp1 tp1" in done.stdout
+
+
+def test_a_plan_the_batch_cannot_take_is_listed_as_refused() -> None:
+    from meshsplit.compare import _row
+    from meshsplit.plan import Plan
+
+    config = CompareConfig(model="mlp", devices=3, batch_size=64)
+    row = _row(config, Plan(dp=3), reference=[])
+    assert "global batch 64 is not divisible" in row["refused"]
+    assert row["plan"] == "dp3 pp1 tp1"
