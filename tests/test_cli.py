@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-
-def _meshsplit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "meshsplit", *args], capture_output=True, text=True, timeout=240
-    )
+from cli_runner import run_meshsplit
 
 
 def test_train_mlp_reaches_accuracy_and_writes_metrics(tmp_path) -> None:
     out = tmp_path / "m.json"
-    done = _meshsplit("train", "--model", "mlp", "--dp", "2", "--metrics-out", str(out))
+    done = run_meshsplit("train", "--model", "mlp", "--dp", "2", "--metrics-out", str(out))
     assert done.returncode == 0, done.stderr
     metrics = json.loads(out.read_text())
     assert metrics["test_accuracy"] >= 0.90
@@ -38,7 +32,7 @@ def test_train_mlp_reaches_accuracy_and_writes_metrics(tmp_path) -> None:
     ],
 )
 def test_bad_plan_is_one_clear_line(args: list[str], words: str) -> None:
-    done = _meshsplit("train", "--model", "mlp", *args)
+    done = run_meshsplit("train", "--model", "mlp", *args)
     assert done.returncode == 2
     assert words in done.stderr
     assert "Traceback" not in done.stderr
@@ -48,10 +42,10 @@ def test_bad_plan_is_one_clear_line(args: list[str], words: str) -> None:
 def test_train_resumes_from_checkpoint(tmp_path) -> None:
     checkpoints, out = tmp_path / "ckpt", tmp_path / "m.json"
     common = ["train", "--model", "mlp", "--checkpoint-dir", str(checkpoints)]
-    first = _meshsplit(*common, "--epochs", "1")
+    first = run_meshsplit(*common, "--epochs", "1")
     assert first.returncode == 0, first.stderr
     assert (checkpoints / "latest").read_text() == "step-00000022"  # 1437 samples // 64
-    second = _meshsplit(*common, "--epochs", "2", "--resume", "--metrics-out", str(out))
+    second = run_meshsplit(*common, "--epochs", "2", "--resume", "--metrics-out", str(out))
     assert second.returncode == 0, second.stderr
     history = json.loads(out.read_text())["history"]
     assert [row["epoch"] for row in history] == [2.0]  # only the epoch that was left
@@ -59,7 +53,7 @@ def test_train_resumes_from_checkpoint(tmp_path) -> None:
 
 
 def test_resume_without_checkpoint_is_one_clear_line(tmp_path) -> None:
-    done = _meshsplit("train", "--checkpoint-dir", str(tmp_path / "none"), "--resume")
+    done = run_meshsplit("train", "--checkpoint-dir", str(tmp_path / "none"), "--resume")
     assert done.returncode == 2
     assert "no checkpoint in" in done.stderr
     assert "Traceback" not in done.stderr

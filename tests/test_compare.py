@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from meshsplit.compare import CompareConfig, candidate_plans
 from meshsplit.traffic import count_traffic
+
+from cli_runner import run_meshsplit
 
 
 def test_candidate_plans_cover_every_factorisation() -> None:
@@ -34,25 +34,18 @@ def test_traffic_counter_restores_torch_distributed() -> None:
 
 @pytest.mark.timeout(600)
 def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshsplit",
-            "compare",
-            "--model",
-            "mlp",
-            "--devices",
-            "4",
-            "--steps",
-            "3",
-            "--batch-size",
-            "16",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    done = run_meshsplit(
+        "compare",
+        "--model",
+        "mlp",
+        "--devices",
+        "4",
+        "--steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--out",
+        str(tmp_path),
         timeout=540,
     )
     assert done.returncode == 0, done.stderr

@@ -3,34 +3,26 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+
+from cli_runner import run_meshsplit
 
 
 def test_train_with_layer_split_prints_stages_and_learns(tmp_path) -> None:
     out = tmp_path / "m.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "meshsplit",
-            "train",
-            "--model",
-            "mlp",
-            "--pp",
-            "2",
-            "--micro-batches",
-            "4",
-            "--recompute",
-            "except_last",
-            "--epochs",
-            "2",
-            "--metrics-out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    done = run_meshsplit(
+        "train",
+        "--model",
+        "mlp",
+        "--pp",
+        "2",
+        "--micro-batches",
+        "4",
+        "--recompute",
+        "except_last",
+        "--epochs",
+        "2",
+        "--metrics-out",
+        str(out),
     )
     assert done.returncode == 0, done.stderr
     assert "layer split" in done.stdout and "backward ms" in done.stdout
