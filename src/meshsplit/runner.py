@@ -3,30 +3,20 @@
 A runner owns this process's part of the model (the whole model when pp == 1, one stage
 otherwise). Given this replica's slice of the global batch it runs forward and backward
 over the micro-batches, leaving gradients in `.grad`, and returns its share of the loss.
+Batches are pytrees (see `batch.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from meshsplit.batch import LossFn, call_model, loss_weight, rows, split_rows, tensors
+
 __all__: list[str] = []
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def loss_weight(loss_fn: LossFn, rows: int, global_rows: int) -> float:
-    """Factor that turns a micro-batch loss into its share of the global-batch loss.
-
-    A mean-reduced loss over `rows` of `global_rows` samples weighs rows / global_rows;
-    a sum-reduced loss is already additive.
-    """
-    if getattr(loss_fn, "reduction", "mean") == "sum":
-        return 1.0
-    return rows / global_rows
 
 
 class Runner(Protocol):
@@ -36,22 +26,32 @@ class Runner(Protocol):
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 
+    def train(self, mode: bool) -> None:
+        """Training or eval mode for everything this rank runs."""
+        ...
+
     def backward_passes(self) -> int:
         """Backward passes that reach each parameter in one step (for overlapping grad sync)."""
         ...
 
-    def train_batch(
-        self, inputs: torch.Tensor, targets: torch.Tensor, global_rows: int
-    ) -> torch.Tensor:
+    def finish_gradients(self) -> None:
+        """Complete gradients after the dp sync (e.g. sum tied parameters over stages)."""
+        ...
+
+    def train_batch(self, inputs: Any, targets: Any, global_rows: int) -> torch.Tensor:
         """Forward + backward of this replica's rows; the weighted loss, valid on every rank."""
         ...
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: Any) -> Any:
         """Output of the whole model for `inputs`, on every rank of this replica (no grad)."""
         ...
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """This process's parameters and buffers under the original model's names."""
+        ...
+
+    def named_parameters(self) -> dict[torch.Tensor, str]:
+        """This process's parameters, each with its name in the original model."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -70,26 +70,37 @@ class LocalRunner:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def train(self, mode: bool) -> None:
+        self.module.train(mode)
+
     def backward_passes(self) -> int:
         return self.micro_batches
 
-    def train_batch(
-        self, inputs: torch.Tensor, targets: torch.Tensor, global_rows: int
-    ) -> torch.Tensor:
-        total = torch.zeros((), device=inputs.device)
-        for x, y in zip(
-            inputs.chunk(self.micro_batches), targets.chunk(self.micro_batches), strict=True
-        ):
-            loss = self.loss_fn(self.module(x), y) * loss_weight(self.loss_fn, len(x), global_rows)
+    def finish_gradients(self) -> None:
+        """Nothing to add: the whole model is here."""
+
+    def train_batch(self, inputs: Any, targets: Any, global_rows: int) -> torch.Tensor:
+        total = torch.zeros((), device=tensors(inputs)[0].device)
+        pieces = zip(
+            split_rows(inputs, self.micro_batches),
+            split_rows(targets, self.micro_batches),
+            strict=True,
+        )
+        for x, y in pieces:
+            output = call_model(self.module, x)
+            loss = self.loss_fn(output, y) * loss_weight(self.loss_fn, rows(x), global_rows)
             loss.backward()
             total += loss.detach()
         return total
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(inputs)
+    def forward(self, inputs: Any) -> Any:
+        return call_model(self.module, inputs)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()
+
+    def named_parameters(self) -> dict[torch.Tensor, str]:
+        return {p: name for name, p in self.module.named_parameters()}
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -4,26 +4,42 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from meshsplit.engine import Engine
+from meshsplit.batch import rows, take_rows
+from meshsplit.mesh import Mesh
+from meshsplit.plan import Plan
 
 __all__: list[str] = []
 
 
+class Engine(Protocol):
+    """What the loop drives: the engine, seen from here."""
+
+    plan: Plan
+    mesh: Mesh
+    data_position: dict[str, int]
+
+    def train_step(self, inputs: Any, targets: Any) -> float: ...
+
+    def evaluate(self, inputs: Any, targets: Any, batch_size: int = 512) -> dict[str, float]: ...
+
+    def save(self, directory: str | os.PathLike[str]) -> Path: ...
+
+
 def fit(
     engine: Engine,
-    dataset: tuple[torch.Tensor, torch.Tensor],
+    dataset: tuple[Any, Any],
     *,
     epochs: int,
     batch_size: int,
-    eval_data: tuple[torch.Tensor, torch.Tensor] | None,
+    eval_data: tuple[Any, Any] | None,
     seed: int,
     show: bool,
     checkpoint_dir: str | os.PathLike[str] | None,
@@ -36,9 +52,10 @@ def fit(
     """
     inputs, targets = dataset
     engine.plan.check_batch(batch_size)
-    batches = len(inputs) // batch_size
+    samples = rows(inputs)
+    batches = samples // batch_size
     if batches == 0:
-        raise ValueError(f"batch_size={batch_size} exceeds the {len(inputs)} samples")
+        raise ValueError(f"batch_size={batch_size} exceeds the {samples} samples")
     done_epochs, done_batches = engine.data_position["epoch"], engine.data_position["batch"]
     show = show and engine.mesh.is_first_rank
     console = Console()
@@ -57,13 +74,15 @@ def fit(
         task = progress.add_task("train", total=total, status="")
         for epoch in range(done_epochs + 1, epochs + 1):
             order = torch.randperm(
-                len(inputs), generator=torch.Generator().manual_seed(seed * 100_003 + epoch)
+                samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)
             )
             first = done_batches if epoch == done_epochs + 1 else 0
             started, losses = time.perf_counter(), []
             for index in range(first, batches):
-                rows = order[index * batch_size : (index + 1) * batch_size]
-                losses.append(engine.train_step(inputs[rows], targets[rows]))
+                picked = order[index * batch_size : (index + 1) * batch_size]
+                losses.append(
+                    engine.train_step(take_rows(inputs, picked), take_rows(targets, picked))
+                )
                 engine.data_position = {"epoch": epoch - 1, "batch": index + 1}
                 progress.update(task, advance=1, status=f"epoch {epoch} loss {losses[-1]:.4f}")
             engine.data_position = {"epoch": epoch, "batch": 0}
@@ -75,7 +94,9 @@ def fit(
             }
             if eval_data is not None:
                 scores = engine.evaluate(*eval_data)
-                row["test_loss"], row["test_accuracy"] = scores["loss"], scores["accuracy"]
+                row["test_loss"] = scores["loss"]
+                if "accuracy" in scores:
+                    row["test_accuracy"] = scores["accuracy"]
             history.append(row)
             if checkpoint_dir is not None:
                 engine.save(checkpoint_dir)
