@@ -26,6 +26,7 @@ from torch import nn
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from meshsplit.tensor.shards import ParallelLayer, local_shard
 
 __all__ = [
     "ParallelLayer",
@@ -66,42 +67,43 @@ def tp_group(mesh_or_group: Mesh | dist.ProcessGroup) -> dist.ProcessGroup:
     return mesh_or_group.group("tp") if isinstance(mesh_or_group, Mesh) else mesh_or_group
 
 
-def _shard(
-    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, *, layer: nn.Module, what: str
+def shard_param(
+    tensor: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    *,
+    layer: nn.Module,
+    what: str,
+    parts: int = 1,
 ) -> nn.Parameter:
-    """This rank's contiguous 1/tp of `tensor` along `dim`, as a fresh parameter."""
+    """This rank's shard of `tensor` along `dim` (block r of each of `parts` parts)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     full = tensor.shape[dim]
-    if full % size:
-        working = [d for d in range(1, full + 1) if full % d == 0]
+    if full % (size * parts):
+        working = [d for d in range(1, full // parts + 1) if full % (d * parts) == 0]
+        fused = f" in {parts} fused parts" if parts > 1 else ""
         raise PlanError(
-            f"tp={size} does not divide {type(layer).__name__} {what}={full}; "
+            f"tp={size} does not divide {type(layer).__name__} {what}={full}{fused}; "
             f"use tp in {{{', '.join(map(str, working))}}}"
         )
-    piece = tensor.detach().chunk(size, dim=dim)[rank].clone()
+    piece = local_shard(tensor.detach(), dim, parts, rank, size).clone()
     return nn.Parameter(piece, requires_grad=tensor.requires_grad)
 
 
-def _copy(tensor: torch.Tensor | None) -> nn.Parameter | None:
+def check_fused_output(parts: int, gather_output: bool) -> None:
+    """A fused column's gathered output would interleave the parts' blocks: refuse it."""
+    if parts > 1 and gather_output:
+        raise PlanError(
+            f"a fused projection ({parts} parts) cannot gather its split output; "
+            "pair it with a row layer or replicate it (tp_plan={'<name>': 'replicate'})"
+        )
+
+
+def copy_param(tensor: torch.Tensor | None) -> nn.Parameter | None:
     """A replicated parameter: the original's values, its own storage."""
     if tensor is None:
         return None
     return nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad)
-
-
-class ParallelLayer(nn.Module):
-    """A layer whose parameters are (partly) split over the tp `group`."""
-
-    shard_dims: ClassVar[dict[str, int]]
-    """Local parameter name -> dimension split over tp; parameters not named are replicated."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    @property
-    def tp(self) -> int:
-        return dist.get_world_size(self.group)
 
 
 class ColumnParallelLinear(ParallelLayer):
@@ -110,7 +112,8 @@ class ColumnParallelLinear(ParallelLayer):
     Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp),
     unless the caller already did (`copy_input=False`, e.g. q, k and v sharing one copy).
     Output: Y_i split along the last dim, or whole when `gather_output` (forward: all-gather;
-    backward: own slice).
+    backward: own slice). A fused projection (`parts` > 1, e.g. q|k|v in one weight) keeps
+    block i of every part, so Y_i = [q_i | k_i | v_i]; its output is never gathered.
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
@@ -123,8 +126,9 @@ class ColumnParallelLinear(ParallelLayer):
         group: dist.ProcessGroup,
         gather_output: bool,
         copy_input: bool,
+        parts: int = 1,
     ) -> None:
-        super().__init__(group)
+        super().__init__(group, parts=parts)
         self.weight = weight
         self.bias = bias
         self.gather_output = gather_output
@@ -138,16 +142,22 @@ class ColumnParallelLinear(ParallelLayer):
         *,
         gather_output: bool = False,
         copy_input: bool = True,
+        parts: int = 1,
     ) -> ColumnParallelLinear:
         group = tp_group(mesh_or_group)
-        weight = _shard(linear.weight, 0, group, layer=linear, what="out_features")
-        bias = None if linear.bias is None else _shard(linear.bias, 0, group, layer=linear, what="")
+        check_fused_output(parts, gather_output)
+        what = "out_features"
+        weight = shard_param(linear.weight, 0, group, layer=linear, what=what, parts=parts)
+        bias = None
+        if linear.bias is not None:
+            bias = shard_param(linear.bias, 0, group, layer=linear, what=what, parts=parts)
         return cls(
             weight=weight,
             bias=bias,
             group=group,
             gather_output=gather_output,
             copy_input=copy_input,
+            parts=parts,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +203,9 @@ class RowParallelLinear(ParallelLayer):
         scatter_input: bool = False,
     ) -> RowParallelLinear:
         group = tp_group(mesh_or_group)
-        weight = _shard(linear.weight, 1, group, layer=linear, what="in_features")
-        return cls(weight=weight, bias=_copy(linear.bias), group=group, scatter_input=scatter_input)
+        weight = shard_param(linear.weight, 1, group, layer=linear, what="in_features")
+        bias = copy_param(linear.bias)
+        return cls(weight=weight, bias=bias, group=group, scatter_input=scatter_input)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scatter_input:
@@ -252,8 +263,8 @@ class ColumnParallelConv2d(ParallelLayer):
     ) -> ColumnParallelConv2d:
         group = tp_group(mesh_or_group)
         options = _conv_options(conv)
-        weight = _shard(conv.weight, 0, group, layer=conv, what="out_channels")
-        bias = None if conv.bias is None else _shard(conv.bias, 0, group, layer=conv, what="")
+        weight = shard_param(conv.weight, 0, group, layer=conv, what="out_channels")
+        bias = None if conv.bias is None else shard_param(conv.bias, 0, group, layer=conv, what="")
         return cls(
             weight=weight, bias=bias, group=group, options=options, gather_output=gather_output
         )
@@ -304,10 +315,10 @@ class RowParallelConv2d(ParallelLayer):
     ) -> RowParallelConv2d:
         group = tp_group(mesh_or_group)
         options = _conv_options(conv)
-        weight = _shard(conv.weight, 1, group, layer=conv, what="in_channels")
+        weight = shard_param(conv.weight, 1, group, layer=conv, what="in_channels")
         return cls(
             weight=weight,
-            bias=_copy(conv.bias),
+            bias=copy_param(conv.bias),
             group=group,
             options=options,
             scatter_input=scatter_input,
@@ -329,34 +340,39 @@ class VocabParallelEmbedding(ParallelLayer):
 
     Each rank looks up the ids it owns and writes zeros for the others; the sum over tp
     (forward: all-reduce; backward: identity) is the whole lookup, and each row's gradient
-    lands only on the rank that owns it.
+    lands only on the rank that owns it. A `padding_idx` row gets no gradient, as in
+    nn.Embedding, on the rank that owns it.
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
 
-    def __init__(self, *, weight: nn.Parameter, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, *, weight: nn.Parameter, group: dist.ProcessGroup, padding_idx: int | None = None
+    ) -> None:
         super().__init__(group)
         self.weight = weight
         self.vocab_start = dist.get_rank(group) * weight.shape[0]
+        local = None if padding_idx is None else padding_idx - self.vocab_start
+        self.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
+        """The padding row's local index when this rank owns it."""
 
     @classmethod
     def from_module(
         cls, embedding: nn.Embedding, mesh_or_group: Mesh | dist.ProcessGroup
     ) -> VocabParallelEmbedding:
         group = tp_group(mesh_or_group)
-        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+        if embedding.max_norm is not None or embedding.sparse:
             raise PlanError(
-                f"Embedding with padding_idx={embedding.padding_idx}, "
-                f"max_norm={embedding.max_norm}, sparse={embedding.sparse} cannot be split by "
-                "vocabulary; replicate it (tp_plan={'<name>': 'replicate'})"
+                f"Embedding with max_norm={embedding.max_norm}, sparse={embedding.sparse} cannot "
+                "be split by vocabulary; replicate it (tp_plan={'<name>': 'replicate'})"
             )
-        weight = _shard(embedding.weight, 0, group, layer=embedding, what="num_embeddings")
-        return cls(weight=weight, group=group)
+        weight = shard_param(embedding.weight, 0, group, layer=embedding, what="num_embeddings")
+        return cls(weight=weight, group=group, padding_idx=embedding.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         owned = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(torch.where(owned, local, 0), self.weight)
+        rows = F.embedding(torch.where(owned, local, 0), self.weight, self.padding_idx)
         return leave_sum(self, rows * owned.unsqueeze(-1).to(rows.dtype))
 
     def extra_repr(self) -> str:

@@ -1,9 +1,15 @@
 """The operator-split rule: which layer splits how, checked before any process does work.
 
-`plan_splits(model, tp, tp_plan)` is pure (no processes): it walks the model and returns one
-`Decision` per layer that holds parameters. `parallelize(model, mesh, tp_plan)` applies them.
+`plan_splits(model, tp, tp_plan, example=...)` needs no processes: it walks the model and
+returns one `Decision` per layer that holds parameters. `parallelize(model, mesh, tp_plan,
+example=...)` applies them.
 
-The rule, Megatron's pairing generalised to convolutions:
+The rule, Megatron's pairing generalised to convolutions, in order of precedence:
+0. A user plan (rule 4) first; then the model's own tp plan (`hfplan.py`: Hugging Face's
+   `_tp_plan`), taken for each group of sibling layers only if every entry can be honoured;
+   then, given an example input, column/row pairs found through the data flow (`dataflow.py`,
+   q/k/v -> o and gate/up -> down wherever they sit, fused q|k|v split per part). Attention
+   whose kv-head count tp does not divide keeps q/k/v/o whole, with the reason.
 1. Attention (a module with Linear children q, k, v, out and an int `n_heads`) splits by heads:
    one all-reduce in forward, one in backward.
 2. In an `nn.Sequential`, a Linear followed by a Linear (or a Conv2d by a Conv2d) with only
@@ -13,7 +19,9 @@ The rule, Megatron's pairing generalised to convolutions:
 3. A layer left alone (no partner) splits by columns with its output gathered (Linear, Conv2d)
    or by vocabulary (Embedding) when tp divides it and it holds at least 1% of the model's
    parameters; otherwise it is replicated, since a split would save little and still cost a
-   collective. Norms and any other layer with parameters are replicated.
+   collective. Norms and any other layer with parameters are replicated. An Embedding tied to
+   an output Linear (one shared weight) splits by vocabulary rows with the Linear column-split
+   over the same rows, gathered: one shared shard keeps the tie.
 4. A user plan {"name": "column" | "row" | "vocab" | "heads" | "replicate"} overrides the rule
    for the layers it names.
 
@@ -33,7 +41,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -41,37 +48,24 @@ from torch import nn
 
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
-from meshsplit.tensor.attention import HeadParallelAttention, split_heads
+from meshsplit.tensor.attention import split_heads
+from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from meshsplit.tensor.dataflow import find_pairs, head_counts
+from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
-    ParallelLayer,
     RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
     tp_group,
 )
+from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
 
 __all__ = ["Decision", "plan_splits", "parallelize"]
 
 SMALL_FRACTION = 0.01
 """A lone layer with less than this share of the model's parameters is replicated."""
-
-ELEMENTWISE = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.Mish,
-    nn.Hardswish,
-    nn.Dropout,
-    nn.Identity,
-)
-CHANNELWISE = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.Dropout2d)
 
 SPLITS = {
     "linear": ("column", "row", "replicate"),
@@ -81,138 +75,13 @@ SPLITS = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class Decision:
-    """How one layer is split over tp, and why."""
-
-    name: str
-    """The layer's module name in the model, e.g. 'block0.attn'."""
-    layer: str
-    """What the layer is, e.g. 'Linear(784->1024)'."""
-    split: str
-    """'column', 'row', 'vocab', 'heads' or 'replicate'."""
-    reason: str
-    """One line of why."""
-    gather_output: bool = False
-    """Column split only: gather the split output, since no row layer consumes it."""
-    scatter_input: bool = False
-    """Row split only: slice a replicated input, since no column layer feeds it split."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "layer": self.layer, "split": self.split, "reason": self.reason}
+def _set(unit: Unit, split: str, reason: str) -> None:
+    unit.split, unit.reason = split, reason
+    if split != "replicate":
+        unit.required = split_sizes(unit)[split]
 
 
-@dataclass
-class _Unit:
-    """A layer the rule can split, with its neighbours inside an nn.Sequential."""
-
-    name: str
-    module: nn.Module
-    kind: str
-    before: _Unit | None = None
-    after: _Unit | None = None
-    split: str = ""
-    reason: str = ""
-    required: tuple[str, int] | None = None
-    """(what, size) that tp must divide, for a split that must happen."""
-    extra: dict[str, bool] = field(default_factory=dict)
-
-
-def _is_attention(module: nn.Module) -> bool:
-    children = dict(module.named_children())
-    return isinstance(getattr(module, "n_heads", None), int) and all(
-        isinstance(children.get(name), nn.Linear) for name in ("q", "k", "v", "out")
-    )
-
-
-def _kind(module: nn.Module) -> str | None:
-    if _is_attention(module):
-        return "attention"
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros":
-        return "conv"
-    if isinstance(module, nn.Embedding) and not (
-        module.padding_idx is not None or module.max_norm is not None or module.sparse
-    ):
-        return "embedding"
-    return None
-
-
-def _describe(module: nn.Module) -> str:
-    if isinstance(module, nn.Linear):
-        return f"Linear({module.in_features}->{module.out_features})"
-    if isinstance(module, nn.Conv2d):
-        kh, kw = module.kernel_size
-        return f"Conv2d({module.in_channels}->{module.out_channels}, {kh}x{kw})"
-    if isinstance(module, nn.Embedding):
-        return f"Embedding({module.num_embeddings}x{module.embedding_dim})"
-    if _is_attention(module):
-        return f"{type(module).__name__}({module.n_heads} heads)"
-    return type(module).__name__
-
-
-def _split_sizes(unit: _Unit) -> dict[str, tuple[str, int]]:
-    """For each split of this unit: the dimension it divides, as (name, size)."""
-    m: Any = unit.module
-    if unit.kind == "linear":
-        return {"column": ("out_features", m.out_features), "row": ("in_features", m.in_features)}
-    if unit.kind == "conv":
-        return {"column": ("out_channels", m.out_channels), "row": ("in_channels", m.in_channels)}
-    if unit.kind == "embedding":
-        return {"vocab": ("num_embeddings", m.num_embeddings)}
-    return {"heads": ("n_heads", m.n_heads)}
-
-
-def _walk(model: nn.Module) -> tuple[list[_Unit], list[Decision]]:
-    """Every splittable layer (linked to its Sequential neighbours) and every other holder."""
-    shared = _shared_parameters(model)
-    units: list[_Unit] = []
-    others: list[Decision] = []
-
-    def visit(module: nn.Module, prefix: str) -> None:
-        chain = isinstance(module, nn.Sequential)
-        previous: _Unit | None = None  # the last Linear/Conv2d, with only elementwise since
-        for child_name, child in module.named_children():
-            name = prefix + child_name
-            if isinstance(child, ParallelLayer | HeadParallelAttention):
-                raise PlanError(f"'{name}' is already split over tp; split a model only once")
-            kind = _kind(child)
-            if kind is not None and any(id(p) in shared for p in child.parameters()):
-                others.append(_replicated(name, child, "shares a parameter with another layer"))
-                kind = None
-            elif kind is not None:
-                unit = _Unit(name=name, module=child, kind=kind)
-                units.append(unit)
-                if chain and previous is not None and previous.kind == kind:
-                    previous.after, unit.before = unit, previous
-                previous = unit if kind in ("linear", "conv") else None
-                continue
-            after_conv = previous is not None and previous.kind == "conv"
-            if not isinstance(child, CHANNELWISE if after_conv else ELEMENTWISE):
-                previous = None
-            if kind is None and any(True for _ in child.parameters(recurse=False)):
-                others.append(_replicated(name, child, "norm or other layer kept whole"))
-            visit(child, name + ".")
-
-    visit(model, "")
-    return units, others
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
-    return {key for key, count in seen.items() if count > 1}
-
-
-def _replicated(name: str, module: nn.Module, why: str) -> Decision:
-    return Decision(name=name, layer=_describe(module), split="replicate", reason=why)
-
-
-def _choose(units: list[_Unit], tp: int, tp_plan: Mapping[str, str], total: int) -> None:
-    """Fill in each unit's split and reason: user plan, attention, pairs, then lone layers."""
-    by_name = {unit.name: unit for unit in units}
+def _user_plan(by_name: dict[str, Unit], tp_plan: Mapping[str, str]) -> None:
     for name, split in tp_plan.items():
         if name not in by_name:
             raise PlanError(
@@ -222,51 +91,159 @@ def _choose(units: list[_Unit], tp: int, tp_plan: Mapping[str, str], total: int)
         unit = by_name[name]
         if split not in SPLITS[unit.kind]:
             raise PlanError(
-                f"Plan.tp_plan['{name}']={split!r} does not fit {_describe(unit.module)}; "
+                f"Plan.tp_plan['{name}']={split!r} does not fit {describe(unit.module)}; "
                 f"use one of {', '.join(SPLITS[unit.kind])}"
             )
-        unit.split, unit.reason = split, "user plan"
-        if split != "replicate":
-            unit.required = _split_sizes(unit)[split]
+        _set(unit, split, "user plan")
+
+
+def _refusal(unit: Unit, style: str, tp: int) -> str:
+    """Why the model's plan entry `style` cannot be honoured for `unit` ('' when it can)."""
+    if unit.split:
+        return "Plan.tp_plan sets it or its partner"
+    if style not in STYLES:
+        return f"the model's plan says {style!r}, which meshsplit has no layer for"
+    split = STYLES[style][0]
+    if split not in SPLITS[unit.kind] or unit.tied is not None:
+        return f"the model's plan says {style!r}, which does not fit {describe(unit.module)}"
+    what, size = split_sizes(unit)[split]
+    return f"tp={tp} does not divide {what}={size}" if size % tp else ""
+
+
+def _model_plan(model: nn.Module, by_name: dict[str, Unit], tp: int) -> None:
+    """Take the model's own plan, one group of sibling column/row layers at a time."""
+    groups: dict[str, list[tuple[Unit, str]]] = {}
+    for name, style in model_plan(model).items():
+        unit = by_name.get(name)
+        if unit is None:
+            continue
+        if style in ("colwise", "rowwise"):
+            groups.setdefault(name.rpartition(".")[0], []).append((unit, style))
+            continue
+        why = _refusal(unit, style, tp)
+        if why:
+            unit.note = unit.note or f"model's plan not taken: {why}"
+            continue
+        split, gather = STYLES[style]
+        _set(unit, split, f"model's tp plan: {style}")
+        unit.wiring = {"gather_output": gather} if split == "column" else {}
+    for parent, members in groups.items():
+        columns = [unit for unit, style in members if style == "colwise"]
+        rows = [unit for unit, style in members if style == "rowwise"]
+        why = next((w for unit, style in members if (w := _refusal(unit, style, tp))), "")
+        if not why and (len(rows) != 1 or not columns):
+            why = f"'{parent}' has {len(columns)} colwise and {len(rows)} rowwise entries"
+        per_rank, heads = head_counts(model, [parent], tp)
+        if heads and not why:
+            for unit, _ in members:
+                _set(unit, "replicate", f"{heads}: attention kept whole (model's plan not taken)")
+            continue
+        if why:
+            for unit, _ in members:
+                unit.note = unit.note or f"model's plan not taken: {why}"
+            continue
+        _pair(columns, rows[0], {}, tuple(per_rank), "model's tp plan")
+
+
+def _pair(
+    columns: list[Unit], row: Unit, parts: dict[str, int], per_rank: tuple[str, ...], source: str
+) -> None:
+    names = ", ".join(f"'{c.name}'" for c in columns)
+    for column in columns:
+        _set(column, "column", f"{source}: pairs with '{row.name}'")
+        column.parts = parts.get(column.name, 1)
+        column.after, column.wiring = row, {"gather_output": False}
+        if column.parts > 1:
+            column.reason += f", fused in {column.parts} parts, each split by heads"
+    _set(row, "row", f"{source}: pairs with {names}: one all-reduce")
+    row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
+
+
+def _data_flow(model: nn.Module, example: Any, units: list[Unit], tp: int) -> None:
+    """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`."""
+    free = [u for u in units if u.kind == "linear" and not u.split and u.tied is None]
+    for unit in free:  # the data flow replaces Sequential neighbours for these layers
+        if unit.after is not None:
+            unit.after.feeders.remove(unit)
+        for feeder in unit.feeders:
+            feeder.after = None
+        unit.after, unit.feeders = None, []
+    by_name = {unit.name: unit for unit in free}
+    pairs, refused = find_pairs(model, example, {u.name: u.module for u in free}, tp)
+    for pair in pairs:
+        columns = [by_name[name] for name in pair.columns]
+        _pair(columns, by_name[pair.row], pair.columns, pair.per_rank, "data flow")
+    for refusal in refused:
+        for name in refusal.names:
+            if refusal.replicate:
+                _set(by_name[name], "replicate", f"{refusal.reason}: attention kept whole")
+            else:
+                by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
+
+
+def _choose(units: list[Unit], tp: int, total: int) -> None:
+    """Fill in the splits no plan set: attention, Sequential pairs, ties, then lone layers."""
     for unit in units:
         if unit.split:
             continue
         if unit.kind == "attention":
-            unit.split, unit.reason = "heads", "by heads: q/k/v column, out row"
-            unit.required = _split_sizes(unit)["heads"]
+            _set(unit, "heads", "by heads: q/k/v column, out row")
         elif unit.after is not None and unit.after.split in ("", "row"):
             partner = unit.after
-            unit.split, unit.reason = "column", f"pairs with '{partner.name}'"
+            _set(unit, "column", f"pairs with '{partner.name}'")
             if not partner.split:
-                partner.split, partner.reason = "row", f"pairs with '{unit.name}': one all-reduce"
-                partner.required = _split_sizes(partner)["row"]
-            unit.required = _split_sizes(unit)["column"]
+                _set(partner, "row", f"pairs with '{unit.name}': one all-reduce")
+    for unit in units:
+        if unit.tied is not None and not unit.split:
+            _choose_tie(unit, unit.tied, tp)
     for unit in units:
         if not unit.split:
             _choose_lone(unit, tp, total)
 
 
-def _choose_lone(unit: _Unit, tp: int, total: int) -> None:
+def _choose_tie(unit: Unit, other: Unit, tp: int) -> None:
+    """Embedding by vocab rows and its tied Linear column-split over the same rows, or neither."""
+    embedding, linear = (unit, other) if unit.kind == "embedding" else (other, unit)
+    rows = split_sizes(embedding)["vocab"][1]
+    if rows % tp or linear.split not in ("", "column") or embedding.split not in ("", "vocab"):
+        why = f"tp={tp} does not divide num_embeddings={rows}" if rows % tp else "a plan keeps it"
+        for member in (embedding, linear):
+            if not member.split:
+                _set(member, "replicate", f"tied weight kept whole: {why}")
+        return
+    _set(embedding, "vocab", f"by vocabulary rows, tied to '{linear.name}': one shared shard")
+    _set(linear, "column", f"tied to '{embedding.name}': the same vocabulary rows, gathered")
+    linear.wiring = {"gather_output": True}
+
+
+def _choose_lone(unit: Unit, tp: int, total: int) -> None:
     split = "vocab" if unit.kind == "embedding" else "column"
-    what, size = _split_sizes(unit)[split]
+    what, size = split_sizes(unit)[split]
     count = sum(p.numel() for p in unit.module.parameters())
+    note = f"{unit.note}; " if unit.note else ""
     if size % tp:
-        unit.split, unit.reason = "replicate", f"tp={tp} does not divide {what}={size}"
+        unit.split, unit.reason = "replicate", f"{note}tp={tp} does not divide {what}={size}"
     elif count < SMALL_FRACTION * total:
         unit.split = "replicate"
-        unit.reason = f"small ({count} of {total} parameters); a split would not pay"
+        unit.reason = f"{note}small ({count} of {total} parameters); a split would not pay"
     else:
         unit.split = split
-        unit.reason = "no partner: output gathered" if split == "column" else "by vocabulary rows"
+        lone = "no partner: output gathered" if split == "column" else "by vocabulary rows"
+        unit.reason = note + lone
 
 
-def _wire(units: list[_Unit]) -> None:
-    """A column gathers unless a row consumes it; a row slices unless a column feeds it."""
+def _wire(units: list[Unit]) -> None:
+    """A column gathers unless a row consumes it; a row slices unless columns feed it split."""
     for unit in units:
-        if unit.split == "column":
-            unit.extra["gather_output"] = not (unit.after and unit.after.split == "row")
-        if unit.split == "row":
-            unit.extra["scatter_input"] = not (unit.before and unit.before.split == "column")
+        if unit.split == "column" and "gather_output" not in unit.wiring:
+            unit.wiring["gather_output"] = not (unit.after and unit.after.split == "row")
+        if unit.split == "column" and unit.after is not None and unit.after.split != "row":
+            unit.wiring["gather_output"] = True
+        if unit.split == "row" and "scatter_input" not in unit.wiring:
+            fed = bool(unit.feeders) and all(f.split == "column" for f in unit.feeders)
+            unit.wiring["scatter_input"] = not fed
+        if unit.split == "column" and unit.wiring["gather_output"]:
+            unit.parts = 1
 
 
 def _working(sizes: list[int]) -> str:
@@ -278,12 +255,22 @@ def _working(sizes: list[int]) -> str:
 
 
 def plan_splits(
-    model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None = None
+    model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None = None, *, example: Any = None
 ) -> list[Decision]:
-    """Decide every layer's split for `tp` ranks without touching processes (raises PlanError)."""
-    units, others = _walk(model)
+    """Decide every layer's split for `tp` ranks without processes (raises PlanError).
+
+    `example`: one input of the model (called as `batch.call_model(model, example)`), to find
+    column/row pairs through its data flow; without it only nn.Sequential neighbours pair.
+    """
+    units, others = walk(model)
+    by_name = {unit.name: unit for unit in units}
     total = sum(p.numel() for p in model.parameters())
-    _choose(units, tp, tp_plan or {}, total)
+    _user_plan(by_name, tp_plan or {})
+    if tp > 1:
+        _model_plan(model, by_name, tp)
+        if example is not None:
+            _data_flow(model, example, units, tp)
+    _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
         if size % tp:
@@ -296,11 +283,14 @@ def plan_splits(
     decisions = [
         Decision(
             name=unit.name,
-            layer=_describe(unit.module),
+            layer=describe(unit.module),
             split=unit.split,
             reason=unit.reason,
-            gather_output=unit.extra.get("gather_output", False),
-            scatter_input=unit.extra.get("scatter_input", False),
+            gather_output=unit.wiring.get("gather_output", False),
+            scatter_input=unit.wiring.get("scatter_input", False),
+            parts=unit.parts,
+            per_rank=unit.per_rank if unit.split == "row" else (),
+            tied=unit.tied.name if unit.tied is not None and unit.split != "replicate" else "",
         )
         for unit in units
     ]
@@ -319,28 +309,56 @@ def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGrou
         return split_heads(module, group)
     if decision.split == "vocab":
         return VocabParallelEmbedding.from_module(module, group)  # type: ignore[arg-type]
-    conv = isinstance(module, nn.Conv2d)
+    gather, scatter = decision.gather_output, decision.scatter_input
+    if is_conv1d(module):
+        if decision.split == "column":
+            return ColumnParallelConv1D.from_module(
+                module, group, gather_output=gather, parts=decision.parts
+            )
+        return RowParallelConv1D.from_module(module, group, scatter_input=scatter)
+    if isinstance(module, nn.Conv2d):
+        if decision.split == "column":
+            return ColumnParallelConv2d.from_module(module, group, gather_output=gather)
+        return RowParallelConv2d.from_module(module, group, scatter_input=scatter)
     if decision.split == "column":
-        column = ColumnParallelConv2d if conv else ColumnParallelLinear
-        return column.from_module(module, group, gather_output=decision.gather_output)  # type: ignore[arg-type]
-    row = RowParallelConv2d if conv else RowParallelLinear
-    return row.from_module(module, group, scatter_input=decision.scatter_input)  # type: ignore[arg-type]
+        return ColumnParallelLinear.from_module(
+            module,  # type: ignore[arg-type]
+            group,
+            gather_output=gather,
+            parts=decision.parts,
+        )
+    return RowParallelLinear.from_module(module, group, scatter_input=scatter)  # type: ignore[arg-type]
 
 
 def parallelize(
-    model: nn.Module, mesh: Mesh | dist.ProcessGroup, tp_plan: Mapping[str, str] | None = None
+    model: nn.Module,
+    mesh: Mesh | dist.ProcessGroup,
+    tp_plan: Mapping[str, str] | None = None,
+    *,
+    example: Any = None,
 ) -> list[Decision]:
     """Split `model` in place over the tp group; every tp rank must call it on the same model.
 
-    Returns one Decision per layer with parameters, in model order.
+    Returns one Decision per layer with parameters, in model order. Tied layers end up holding
+    one shared shard parameter; the per-rank head counts the row layers name are divided.
     """
     group = tp_group(mesh)
-    decisions = plan_splits(model, dist.get_world_size(group), tp_plan)
+    tp = dist.get_world_size(group)
+    decisions = plan_splits(model, tp, tp_plan, example=example)
+    shards: dict[int, Any] = {}
     for decision in decisions:
         if decision.split == "replicate":
             continue
         parent_name, _, child_name = decision.name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        split = _split_module(parent.get_submodule(child_name), decision, group)
+        original = parent.get_submodule(child_name)
+        split = _split_module(original, decision, group)
+        if decision.tied:
+            key = id(original.weight)
+            split.weight = shards.setdefault(key, split.weight)
         setattr(parent, child_name, split)
+        for path in decision.per_rank:
+            owner_name, _, attr = path.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            setattr(owner, attr, getattr(owner, attr) // tp)
     return decisions

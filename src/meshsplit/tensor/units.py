@@ -1,0 +1,255 @@
+"""The layers an operator split can act on, found by walking the model once.
+
+A *unit* is a layer meshsplit has a parallel form for: Linear, Hugging Face Conv1D, Conv2d,
+Embedding, or an attention module (Linear children q, k, v, out and an int `n_heads`). A
+subclass that brings its own forward (OPT's learned positional embedding offsets its ids) is
+not a unit: a parallel layer would drop that behaviour, so it is kept whole. Layers that share
+a parameter are units only as an Embedding tied to an output Linear (GPT-2's wte/lm_head),
+split once along the vocabulary; any other sharing is kept whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from meshsplit.plan import PlanError
+from meshsplit.tensor.attention import HeadParallelAttention
+from meshsplit.tensor.conv1d import is_conv1d
+from meshsplit.tensor.shards import ParallelLayer
+
+__all__: list[str] = []
+
+ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Dropout,
+    nn.Identity,
+)
+CHANNELWISE = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.Dropout2d)
+BASES = (nn.Linear, nn.Embedding, nn.Conv2d)
+"""Classes whose own forward a parallel layer reproduces; a subclass must not override it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """How one layer is split over tp, and why."""
+
+    name: str
+    """The layer's module name in the model, e.g. 'block0.attn'."""
+    layer: str
+    """What the layer is, e.g. 'Linear(784->1024)'."""
+    split: str
+    """'column', 'row', 'vocab', 'heads' or 'replicate'."""
+    reason: str
+    """One line of why."""
+    gather_output: bool = False
+    """Column split only: gather the split output, since no row layer consumes it."""
+    scatter_input: bool = False
+    """Row split only: slice a replicated input, since no column layer feeds it split."""
+    parts: int = 1
+    """Column split only: fused parts (3 for q|k|v in one weight), each split by heads."""
+    per_rank: tuple[str, ...] = ()
+    """Row split only: 'module.attribute' ints (head counts, split sizes) divided by tp."""
+    tied: str = ""
+    """Vocab/column split only: the layer whose weight this one shares (one shared shard)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layer": self.layer, "split": self.split, "reason": self.reason}
+
+
+@dataclass(eq=False)
+class Unit:
+    """A layer the rule can split, with its partners."""
+
+    name: str
+    module: nn.Module
+    kind: str
+    after: Unit | None = None
+    """The row layer this column layer feeds (its output stays split)."""
+    feeders: list[Unit] = field(default_factory=list)
+    """The column layers that feed this row layer split."""
+    split: str = ""
+    reason: str = ""
+    required: tuple[str, int] | None = None
+    """(what, size) that tp must divide, for a split that must happen."""
+    parts: int = 1
+    per_rank: tuple[str, ...] = ()
+    tied: Unit | None = None
+    wiring: dict[str, bool] = field(default_factory=dict)
+    """gather_output / scatter_input, when a plan fixed them; otherwise the partners decide."""
+    note: str = ""
+    """Why a plan's or the data flow's split was not taken, shown before the fallback's reason."""
+
+
+def is_attention(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    return isinstance(getattr(module, "n_heads", None), int) and all(
+        isinstance(children.get(name), nn.Linear) for name in ("q", "k", "v", "out")
+    )
+
+
+def own_forward(module: nn.Module) -> str | None:
+    """The subclass that overrides a base layer's forward, if any."""
+    for base in BASES:
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            return type(module).__name__
+    return None
+
+
+def kind_of(module: nn.Module) -> str | None:
+    if is_attention(module):
+        return "attention"
+    if own_forward(module):
+        return None
+    if isinstance(module, nn.Linear) or is_conv1d(module):
+        return "linear"
+    if isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros":
+        return "conv"
+    if isinstance(module, nn.Embedding) and not (module.max_norm is not None or module.sparse):
+        return "embedding"
+    return None
+
+
+def _kept_whole(module: nn.Module) -> str:
+    """Why a layer with parameters of its own stays whole on every tp rank."""
+    if isinstance(module, nn.Conv2d):
+        return (
+            f"Conv2d with groups={module.groups}, padding_mode={module.padding_mode!r} kept "
+            "whole: only plain convolutions split by channels"
+        )
+    if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+        return (
+            f"{type(module).__name__} holds 3-D weights (one matrix per expert): mixture-of-"
+            "experts weights are not split, every tp rank holds all of them"
+        )
+    return "norm or other layer kept whole"
+
+
+def features(module: Any) -> tuple[int, int]:
+    """(in, out) features of a Linear or Conv1D."""
+    if is_conv1d(module):
+        return module.weight.shape[0], module.nf
+    return module.in_features, module.out_features
+
+
+def describe(module: nn.Module) -> str:
+    if is_conv1d(module):
+        n_in, out = features(module)
+        return f"Conv1D({n_in}->{out})"
+    if isinstance(module, nn.Linear):
+        return f"Linear({module.in_features}->{module.out_features})"
+    if isinstance(module, nn.Conv2d):
+        kh, kw = module.kernel_size
+        return f"Conv2d({module.in_channels}->{module.out_channels}, {kh}x{kw})"
+    if isinstance(module, nn.Embedding):
+        return f"Embedding({module.num_embeddings}x{module.embedding_dim})"
+    if is_attention(module):
+        return f"{type(module).__name__}({module.n_heads} heads)"
+    return type(module).__name__
+
+
+def split_sizes(unit: Unit) -> dict[str, tuple[str, int]]:
+    """For each split of this unit: the dimension it divides, as (name, size)."""
+    m: Any = unit.module
+    if unit.kind == "linear":
+        n_in, out = features(m)
+        return {"column": ("out_features", out), "row": ("in_features", n_in)}
+    if unit.kind == "conv":
+        return {"column": ("out_channels", m.out_channels), "row": ("in_channels", m.in_channels)}
+    if unit.kind == "embedding":
+        return {"vocab": ("num_embeddings", m.num_embeddings)}
+    return {"heads": ("n_heads", m.n_heads)}
+
+
+def replicated(name: str, module: nn.Module, why: str) -> Decision:
+    return Decision(name=name, layer=describe(module), split="replicate", reason=why)
+
+
+def walk(model: nn.Module) -> tuple[list[Unit], list[Decision]]:
+    """Every splittable layer (Sequential neighbours and ties linked) and every other holder."""
+    shared = _shared_parameters(model)
+    units: list[Unit] = []
+    sharing: list[Unit] = []
+    others: list[Decision] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        chain = isinstance(module, nn.Sequential)
+        previous: Unit | None = None  # the last Linear/Conv2d, with only elementwise since
+        for child_name, child in module.named_children():
+            name = prefix + child_name
+            if isinstance(child, ParallelLayer | HeadParallelAttention):
+                raise PlanError(f"'{name}' is already split over tp; split a model only once")
+            kind = kind_of(child)
+            if kind is not None and any(id(p) in shared for p in child.parameters()):
+                sharing.append(Unit(name=name, module=child, kind=kind))
+                kind = None
+            elif kind is not None:
+                unit = Unit(name=name, module=child, kind=kind)
+                units.append(unit)
+                if chain and previous is not None and previous.kind == kind:
+                    previous.after = unit
+                    unit.feeders = [previous]
+                previous = unit if kind in ("linear", "conv") else None
+                continue
+            after_conv = previous is not None and previous.kind == "conv"
+            if not isinstance(child, CHANNELWISE if after_conv else ELEMENTWISE):
+                previous = None
+            subclass = own_forward(child)
+            if subclass is not None:
+                others.append(replicated(name, child, f"own forward: {subclass} kept whole"))
+                continue
+            sharer = any(unit.module is child for unit in sharing)
+            if kind is None and not sharer and any(True for _ in child.parameters(recurse=False)):
+                others.append(replicated(name, child, _kept_whole(child)))
+            visit(child, name + ".")
+
+    visit(model, "")
+    tied, kept = _ties(sharing, shared)
+    units.extend(tied)
+    others.extend(kept)
+    return units, others
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+def _ties(sharing: list[Unit], shared: set[int]) -> tuple[list[Unit], list[Decision]]:
+    """An Embedding and a Linear sharing only their weight (vocab rows) are tied; others kept."""
+    by_weight: dict[int, list[Unit]] = {}
+    for unit in sharing:
+        by_weight.setdefault(id(getattr(unit.module, "weight", None)), []).append(unit)
+    tied: list[Unit] = []
+    for group in by_weight.values():
+        if sorted(unit.kind for unit in group) != ["embedding", "linear"]:
+            continue
+        only_weight = all(
+            id(p) not in shared
+            for unit in group
+            for name, p in unit.module.named_parameters()
+            if name != "weight"
+        )
+        if only_weight and not any(is_conv1d(unit.module) for unit in group):
+            first, second = group
+            first.tied, second.tied = second, first
+            tied.extend(group)
+    kept = [
+        replicated(unit.name, unit.module, "shares a parameter with another layer")
+        for unit in sharing
+        if unit.tied is None
+    ]
+    return tied, kept

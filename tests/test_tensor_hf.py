@@ -1,0 +1,293 @@
+"""Operator split on real Hugging Face layers: GPT-2 (Conv1D, fused qkv, tied head), LLaMA
+(grouped-query attention, the model's own tp plan), BERT (pairs across sibling modules), and
+what is kept whole (own forward, HF ResNet's small convolutions).
+
+Decisions are checked in one process; exactness, bytes per rank, un-sharding and the forward
+all-reduces per block in one launch of 2 gloo workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import meshsplit as ms  # noqa: E402
+from meshsplit import tensor  # noqa: E402
+from meshsplit.mesh import Mesh  # noqa: E402
+from meshsplit.tensor import plan_splits  # noqa: E402
+from meshsplit.tensor.shards import local_shard, shard_layouts  # noqa: E402
+
+TP = 2
+STEPS = 3
+BLOCKS = {"gpt2": "m.transformer.h", "llama": "m.model.layers", "bert": "m.bert.encoder.layer"}
+
+
+def _decisions(name: str, tp: int, **kwargs: Any) -> dict[str, tensor.Decision]:
+    model, x = hf_models.build(name)
+    return {d.name: d for d in plan_splits(model, tp, example=x, **kwargs)}
+
+
+def test_gpt2_splits_conv1d_pairs_fused_qkv_and_the_tied_head() -> None:
+    d = _decisions("gpt2", TP)
+    attn = "m.transformer.h.0.attn"
+    assert (d[f"{attn}.c_attn"].split, d[f"{attn}.c_attn"].parts) == ("column", 3)
+    assert not d[f"{attn}.c_attn"].gather_output
+    assert d[f"{attn}.c_proj"].split == "row" and not d[f"{attn}.c_proj"].scatter_input
+    assert set(d[f"{attn}.c_proj"].per_rank) == {f"{attn}.split_size", f"{attn}.num_heads"}
+    assert d["m.transformer.h.0.mlp.c_fc"].split == "column"
+    assert d["m.transformer.h.0.mlp.c_proj"].split == "row"
+    assert (d["m.transformer.wte"].split, d["m.transformer.wte"].tied) == ("vocab", "m.lm_head")
+    head = d["m.lm_head"]
+    assert (head.split, head.gather_output, head.tied) == ("column", True, "m.transformer.wte")
+
+
+def test_llama_takes_its_own_plan_and_splits_kv_heads_at_tp2() -> None:
+    d = _decisions("llama", 2)
+    layer = "m.model.layers.1"
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert d[f"{layer}.self_attn.{name}"].split == "column"
+        assert "model's tp plan" in d[f"{layer}.self_attn.{name}"].reason
+    assert d[f"{layer}.self_attn.o_proj"].split == "row"
+    assert d[f"{layer}.mlp.down_proj"].split == "row"
+    assert d["m.model.embed_tokens"].split == "vocab"
+    assert d["m.lm_head"].split == "column" and d["m.lm_head"].gather_output
+
+
+def test_llama_at_tp4_keeps_attention_whole_with_the_reason() -> None:
+    d = _decisions("llama", 4)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        decision = d[f"m.model.layers.0.self_attn.{name}"]
+        assert decision.split == "replicate"
+        assert "num_key_value_heads=2" in decision.reason
+    assert d["m.model.layers.0.mlp.gate_proj"].split == "column"
+
+
+def test_data_flow_finds_the_same_llama_pairs_without_the_models_plan() -> None:
+    model, x = hf_models.build("llama")
+    for module in model.modules():
+        if hasattr(module, "_tp_plan"):
+            module._tp_plan = {}
+    d = {x.name: x for x in plan_splits(model, 2, example=x)}
+    assert d["m.model.layers.0.self_attn.k_proj"].split == "column"
+    assert d["m.model.layers.0.self_attn.o_proj"].split == "row"
+    assert d["m.model.layers.0.mlp.down_proj"].reason.startswith("data flow")
+    at4 = {x.name: x for x in plan_splits(model, 4, example=x)}
+    assert at4["m.model.layers.0.self_attn.q_proj"].split == "replicate"
+    assert "num_key_value_heads=2" in at4["m.model.layers.0.self_attn.q_proj"].reason
+
+
+def test_bert_pairs_across_sibling_modules() -> None:
+    d = _decisions("bert", TP)
+    layer = "m.bert.encoder.layer.2"
+    for name in ("query", "key", "value"):
+        assert d[f"{layer}.attention.self.{name}"].split == "column"
+    assert d[f"{layer}.attention.output.dense"].split == "row"
+    assert d[f"{layer}.intermediate.dense"].split == "column"
+    assert d[f"{layer}.output.dense"].split == "row"
+    assert d[f"{layer}.output.LayerNorm"].split == "replicate"
+
+
+def test_without_an_example_hf_layers_split_alone() -> None:
+    model, _ = hf_models.build("bert")
+    d = {x.name: x for x in plan_splits(model, TP)}
+    assert d["m.bert.encoder.layer.0.attention.output.dense"].gather_output
+
+
+def test_hf_resnet_splits_large_convolutions_alone_and_keeps_norms() -> None:
+    d = _decisions("resnet", TP)
+    assert d["m.resnet.embedder.embedder.convolution"].split == "column"
+    assert d["m.resnet.embedder.embedder.normalization"].split == "replicate"
+    small = d["m.resnet.encoder.stages.0.layers.0.layer.0.convolution"]
+    assert small.split == "replicate" and "small" in small.reason
+
+
+class LearnedPositions(nn.Embedding):
+    """OPT's learned positional embedding: takes extra arguments and offsets its indices."""
+
+    def forward(self, ids: torch.Tensor, offset: int = 2) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(ids + offset)
+
+
+def test_a_subclass_with_its_own_forward_is_kept_whole() -> None:
+    model = nn.Sequential(LearnedPositions(130, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    d = {x.name: x for x in plan_splits(model, TP)}
+    assert d["0"].split == "replicate"
+    assert d["0"].reason == "own forward: LearnedPositions kept whole"
+    assert (d["1"].split, d["3"].split) == ("column", "row")
+
+
+def test_a_user_plan_overrides_the_models_plan() -> None:
+    down = "m.model.layers.0.mlp.down_proj"
+    d = _decisions("llama", TP, tp_plan={down: "replicate"})
+    assert (d[down].split, d[down].reason) == ("replicate", "user plan")
+    gate = d["m.model.layers.0.mlp.gate_proj"]
+    assert gate.split == "column" and gate.gather_output  # its row partner is gone
+    assert "model's plan not taken" in gate.reason
+    assert d["m.model.layers.1.mlp.down_proj"].split == "row"
+
+
+def test_local_shard_takes_block_r_of_each_fused_part() -> None:
+    full = torch.arange(12)
+    assert local_shard(full, 0, 3, 1, 2).tolist() == [2, 3, 6, 7, 10, 11]
+    assert local_shard(full, 0, 1, 0, 2).tolist() == list(range(6))
+
+
+@contextmanager
+def _all_reduces(group: dist.ProcessGroup) -> Iterator[Counter[str]]:
+    """Count all_reduce and all_gather_single calls on `group`."""
+    counts: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group") is group:
+                counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _per_block(model: nn.Module, blocks: str, group: dist.ProcessGroup, x: torch.Tensor) -> list:
+    """Forward all-reduces inside each block during one forward."""
+    seen: list[int] = []
+    with _all_reduces(group) as counts:
+        starts: dict[int, int] = {}
+        handles = []
+        for index, block in enumerate(model.get_submodule(blocks)):
+            handles.append(
+                block.register_forward_pre_hook(
+                    lambda _m, _a, i=index: starts.__setitem__(i, counts["all_reduce"])
+                )
+            )
+            handles.append(
+                block.register_forward_hook(
+                    lambda _m, _a, _o, i=index: seen.append(counts["all_reduce"] - starts[i])
+                )
+            )
+        with torch.no_grad():
+            model(x)
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _train(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """3 SGD steps; the first output and the last gradients, by parameter name."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first = None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        logits = model(x)
+        first = logits.detach() if first is None else first
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).backward()
+        optimizer.step()
+    grads = {f"grad/{n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"output": first, **grads}
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _check(name: str, group: dist.ProcessGroup) -> dict[str, Any]:
+    model, x = hf_models.build(name)
+    reference = copy.deepcopy(model)
+    shape = (x.shape[0],) if name == "bert" else tuple(x.shape)
+    classes = 3 if name == "bert" else hf_models.VOCAB
+    target = torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(5))
+    tensor.parallelize(model, group, example=x)
+    layouts = shard_layouts(model)
+    full = dict(reference.named_parameters())
+    split_params = {n: p for n, p in model.named_parameters() if n in layouts}
+    result: dict[str, Any] = {
+        "local_bytes": _bytes(split_params.values()),
+        "full_bytes": _bytes(full[n] for n in split_params),
+        "tied": name == "gpt2" and model.m.lm_head.weight is model.m.transformer.wte.weight,
+    }
+    if name in ("gpt2", "llama"):
+        result["per_block"] = _per_block(model, BLOCKS[name], group, x)
+    trained = _train(model, x, target)
+    grads = {k.removeprefix("grad/"): v for k, v in trained.items() if k.startswith("grad/")}
+    result["grads"] = tensor.unshard_state_dict(model, grads, group)
+    result["output"] = trained["output"]
+    result["state"] = tensor.unshard_state_dict(model, model.state_dict(), group)
+    result["expected"] = _train(reference, x, target)
+    result["expected_state"] = reference.state_dict()
+    return result
+
+
+def _check_all(names: list[str]) -> dict[str, dict[str, Any]]:
+    group = Mesh.build(ms.Plan(tp=TP)).group("tp")
+    results = {name: _check(name, group) for name in names}
+    dist.barrier()
+    return results
+
+
+NAMES = ["gpt2", "llama", "bert"]
+
+
+@functools.cache
+def _results() -> list[dict[str, dict[str, Any]]]:
+    return ms.launch(_check_all, TP, args=(NAMES,))
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_split_hf_model_trains_like_the_unsplit_one(name: str) -> None:
+    for rank in _results():
+        result = rank[name]
+        expected = result["expected"]
+        _close(result["output"], expected["output"])
+        for key, grad in result["grads"].items():
+            _close(grad, expected[f"grad/{key}"])
+        assert result["grads"].keys() == {k[5:] for k in expected if k.startswith("grad/")}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_unshard_gives_the_original_keys_shapes_and_values(name: str) -> None:
+    result = _results()[0][name]
+    assert list(result["state"]) == list(result["expected_state"])
+    for key, value in result["state"].items():
+        assert value.shape == result["expected_state"][key].shape, key
+        _close(value, result["expected_state"][key])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_rank_holds_a_tp_th_of_the_split_layers(name: str) -> None:
+    for rank in _results():
+        assert rank[name]["local_bytes"] * TP == rank[name]["full_bytes"] > 0
+
+
+def test_gpt2_tie_survives_the_split() -> None:
+    assert all(rank["gpt2"]["tied"] for rank in _results())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_each_block_runs_two_forward_all_reduces(name: str) -> None:
+    for rank in _results():
+        assert rank[name]["per_block"] == [2, 2, 2, 2]
