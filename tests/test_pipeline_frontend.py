@@ -8,9 +8,9 @@ from torch import nn
 
 import meshsplit as ms
 from meshsplit.pipeline import split_point
+from meshsplit.pipeline.cuts import refuse_stages_without_parameters
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.profile import profile_layers
-from meshsplit.pipeline.runner import refuse_shared_parameters, refuse_stages_without_parameters
 from meshsplit.pipeline.stage import plan_routes
 
 from reference import build
@@ -168,25 +168,10 @@ def test_profile_measures_every_layer_and_leaves_the_model_unchanged() -> None:
     assert torch.equal(torch.random.get_rng_state(), rng)
 
 
-class Tied(nn.Module):
-    """Input embedding and output head share one weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.mid = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mid(self.embed(ids)))
-
-
 def test_stages_that_cannot_train_are_refused_before_any_step() -> None:
-    graph = layer_graph(Tied())
-    with pytest.raises(ms.PlanError, match="share a parameter; tied weights cannot span stages"):
-        refuse_shared_parameters(graph, [0, 1, 3])
-    refuse_shared_parameters(graph, [0, 3])  # one stage holds both: fine
     mlp = layer_graph(ms.models.mlp((784, 16, 10)))  # flatten fc1 relu1 fc2
+    names = [layer.name for layer in mlp.layers]
+    trainable = [any(True for _ in layer.module.parameters()) for layer in mlp.layers]
     with pytest.raises(ms.PlanError, match=r"stage 0 of Plan.stages=\[1, 3\] holds only layers"):
-        refuse_stages_without_parameters(mlp, [0, 1, 4])
+        refuse_stages_without_parameters(names, trainable, [1, 3])
+    refuse_stages_without_parameters(names, trainable, [2, 2])

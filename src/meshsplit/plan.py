@@ -36,6 +36,9 @@ class Plan:
     """Pipeline schedule: '1f1b' (bounded activations) or 'gpipe' (all forwards, then backwards)."""
     stages: tuple[int, ...] | None = None
     """Layers per pipeline stage, overriding the profile-balanced split (len == pp)."""
+    split_points: tuple[str, ...] | None = None
+    """Module paths where a pipeline stage begins, e.g. ('m.model.layers.2',) for pp=2; as
+    torch.distributed.pipelining's split_spec, overriding the profile-balanced split."""
     checkpoint: str = "never"
     """Activation recomputation inside stages: 'never', 'except_last' or 'always'."""
     tp_plan: Mapping[str, str] | None = field(default=None, hash=False)
@@ -68,6 +71,17 @@ class Plan:
                 raise PlanError(
                     f"Plan.stages={list(stages)} must give a positive layer count for each of "
                     f"pp={self.pp} stages; e.g. stages={[1] * self.pp} or leave it None"
+                )
+        if self.split_points is not None:
+            points = (
+                (self.split_points,) if isinstance(self.split_points, str) else self.split_points
+            )
+            object.__setattr__(self, "split_points", tuple(points))
+            if len(self.split_points) != self.pp - 1 or self.stages is not None:
+                raise PlanError(
+                    f"Plan.split_points={list(self.split_points)} must name pp-1 = {self.pp - 1} "
+                    "module paths where a stage begins, without Plan.stages; e.g. "
+                    "split_points=('model.layers.2',) for pp=2"
                 )
         if self.bucket_mb <= 0:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
@@ -117,6 +131,7 @@ class Plan:
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
             "stages": list(self.stages) if self.stages else None,
+            "split_points": list(self.split_points) if self.split_points else None,
             "checkpoint": self.checkpoint,
             "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
             "zero": self.zero,

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from meshsplit.batchnorm import BatchNorm
 from meshsplit.plan import PlanError
 
 __all__ = ["split_point"]
@@ -116,8 +117,11 @@ class _OpaqueTracer(fx.Tracer):
         self.failed_in: str | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.opaque or super().is_leaf_module(
-            m, module_qualified_name
+        # our BatchNorm is a layer like nn.BatchNorm (its collectives are not traceable)
+        return (
+            module_qualified_name in self.opaque
+            or isinstance(m, BatchNorm)
+            or super().is_leaf_module(m, module_qualified_name)
         )
 
     def call_module(

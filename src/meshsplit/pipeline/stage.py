@@ -1,6 +1,8 @@
-"""One pipeline stage: its layers, the values it exchanges, and how it runs F(j) and B(j).
+"""One pipeline stage: its program, the values it exchanges, and how it runs F(j) and B(j).
 
-Data flow between stages follows the layer graph, not the stage order: a value made on
+A stage's program is either its layers of a traced LayerGraph (`LayerProgram`) or the
+model's own forward with other stages' pieces stubbed (`spine.py`); the stage only sees
+values in and values out. Data flow between stages follows the program's routes: a value made on
 stage a and read on stages b > a goes straight from a to each b (a skip connection is not
 relayed through the stages between). Forward: receive the values this stage reads, run its
 layers, send what later stages read. Backward: receive the gradients of what it sent, run
@@ -11,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
+from meshsplit.batch import tensors
 from meshsplit.memory import recompute
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
@@ -83,20 +88,53 @@ class _Step:
 
     in_flight: dict[int, _InFlight] = field(default_factory=dict)
     sending: list[Sending] = field(default_factory=list)
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
     loss: torch.Tensor | None = None
 
 
+class Program(Protocol):
+    """What a stage computes for one micro-batch: received values in, the values it makes out."""
+
+    @property
+    def made(self) -> Sequence[str]:
+        """Names of the values `__call__` returns: what the sends carry, then (last stage) the
+        model's output."""
+
+    def __call__(self, x: Any, *received: torch.Tensor) -> tuple[Any, ...]: ...
+
+
+class LayerProgram:
+    """A stage's layers of a LayerGraph, run in order over named values."""
+
+    def __init__(
+        self, layers: Sequence[Layer], graph: LayerGraph, routes: Routes, last: bool
+    ) -> None:
+        self.layers = list(layers)
+        self.model_input = graph.input
+        self.received_names = [n for _, names in routes.receives for n in names]
+        self.made = list(dict.fromkeys(n for _, names in routes.sends for n in names))
+        if last:
+            self.made.append(graph.output)
+
+    def __call__(self, x: Any, *received: torch.Tensor) -> tuple[Any, ...]:
+        values = {self.model_input: x, **dict(zip(self.received_names, received, strict=True))}
+        for layer in self.layers:
+            outputs = layer(*(values[n] for n in layer.inputs))
+            values.update(zip(layer.outputs, outputs, strict=True))
+        return tuple(values[n] for n in self.made)
+
+
 class Stage:
-    """This rank's layers and their traffic with the other stages of its pipeline."""
+    """This rank's part of the model and its traffic with the other stages of its pipeline."""
 
     def __init__(
         self,
         *,
         index: int,
         stages: int,
-        layers: Sequence[Layer],
-        graph: LayerGraph,
+        module: nn.Module,
+        program: Program,
+        output: str,
         routes: Routes,
         peers: Sequence[int],
         exchange: Exchange,
@@ -104,25 +142,21 @@ class Stage:
     ) -> None:
         self.index = index
         self.last = index == stages - 1
-        self.layers = list(layers)
-        self.module = nn.ModuleDict({layer.name: layer.module for layer in layers})
+        self.module = module
+        """The modules whose parameters this stage trains."""
+        self.program = program
+        self.model_output = output
         self.routes = routes
         self.peers = list(peers)
         self.exchange = exchange
         self.recompute = recompute
-        self.model_input = graph.input
-        self.model_output = graph.output
-        self.received_names = [n for _, names in routes.receives for n in names]
-        self.made = list(dict.fromkeys(n for _, names in routes.sends for n in names))
-        if self.last:
-            self.made.append(graph.output)
 
     def run(
         self,
         actions: Sequence[Action],
-        inputs: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor] | None,
-        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        inputs: Sequence[Any],
+        targets: Sequence[Any] | None,
+        loss_of: Callable[[Any, Any], torch.Tensor] | None,
     ) -> _Step:
         """Run `actions` over the micro-batches; with no targets, forward only (inference)."""
         step = _Step()
@@ -138,24 +172,25 @@ class Stage:
             sending.wait()
         return step
 
-    def _key(self, x: torch.Tensor) -> Hashable:
+    def _key(self, x: Any) -> Hashable:
         """What fixes every shape this micro-batch sends: its input's signature and the mode."""
-        return (tuple(x.shape), x.dtype, torch.is_grad_enabled(), self.module.training)
+        signature = tuple((tuple(t.shape), t.dtype) for t in tensors(x))
+        return (signature, torch.is_grad_enabled(), self.module.training)
 
     def _forward(
         self,
         step: _Step,
         micro: int,
-        x: torch.Tensor,
-        y: torch.Tensor | None,
-        loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        x: Any,
+        y: Any | None,
+        loss_of: Callable[[Any, Any], torch.Tensor] | None,
     ) -> None:
         key = self._key(x)
         messages = self.exchange.receive([self.peers[src] for src, _ in self.routes.receives], key)
         received = [_leaves(message) for message in messages]
-        flat = [t for tensors in received for t in tensors]
-        made = recompute.run(self._compute, x, *flat, recompute=self.recompute)
-        values = dict(zip(self.made, made, strict=True))
+        flat = [t for values in received for t in values]
+        made = recompute.run(self.program, x, *flat, recompute=self.recompute)
+        values = dict(zip(self.program.made, made, strict=True))
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
         sending = self.exchange.send(
             [(self.peers[dst], t) for (dst, _), t in zip(self.routes.sends, sent, strict=True)],
@@ -165,8 +200,7 @@ class Stage:
         if y is None:  # inference: nothing to keep for a backward
             step.sending.append(sending)
             if self.last:
-                output = values[self.model_output]
-                step.outputs.append(output.clone() if self.exchange.pool.owns(output) else output)
+                step.outputs.append(pytree.tree_map(self._owned, values[self.model_output]))
             for buffer in buffers:
                 self.exchange.pool.give(buffer)
             return
@@ -176,13 +210,10 @@ class Stage:
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
         step.in_flight[micro] = flight
 
-    def _compute(self, x: torch.Tensor, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This stage's layers on one micro-batch: received values in, values it makes out."""
-        values = {self.model_input: x, **dict(zip(self.received_names, received, strict=True))}
-        for layer in self.layers:
-            outputs = layer(*(values[n] for n in layer.inputs))
-            values.update(zip(layer.outputs, outputs, strict=True))
-        return tuple(values[n] for n in self.made)
+    def _owned(self, value: Any) -> Any:
+        """A value of its own: a copy if it lives in a pool buffer that will be reused."""
+        owned = isinstance(value, torch.Tensor) and self.exchange.pool.owns(value)
+        return value.clone() if owned else value
 
     def _backward(self, step: _Step, micro: int) -> None:
         flight = step.in_flight.pop(micro)

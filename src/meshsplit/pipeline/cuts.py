@@ -1,0 +1,291 @@
+"""Where the layer split cuts a model, and what each stage then holds, runs and sends.
+
+Two front ends, chosen per model:
+- a model whose depth sits in a block list below the top level (`model.layers`,
+  `transformer.h`, ResNet `stages`), or a plan that names `split_points`, is cut between
+  those blocks and run through its own forward (`blocks.py`, `spine.py`);
+- any other model (an `nn.Sequential`, a flat custom module) is traced into layers with
+  named data flow (`frontend.py`), so skip connections travel straight to their readers.
+When the block front end cannot cut a model (a reused piece, a forward whose stages do not
+chain), the traced one is tried; a refusal names both reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks, sizes_at
+from meshsplit.pipeline.frontend import LayerGraph, layer_graph
+from meshsplit.pipeline.partition import balance, check_split
+from meshsplit.pipeline.profile import LayerCost, profile_layers
+from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
+from meshsplit.pipeline.stage import LayerProgram, Program, Routes, plan_routes
+from meshsplit.plan import Plan, PlanError
+
+__all__: list[str] = []
+
+Agree = Callable[[list[LayerCost]], list[LayerCost]]
+"""Makes every rank's measured costs the same numbers (a collective)."""
+
+_BACKWARD_PER_FORWARD = 2.0
+"""Backward time of a block-front-end piece, as a multiple of its measured forward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cuts:
+    """The model as consecutive items (layers or pieces), and how they are cut into stages."""
+
+    model: nn.Module
+    names: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+    prefixes: tuple[str, ...]
+    """Per item, what turns its module's state-dict keys into the original model's keys."""
+    costs: tuple[LayerCost, ...]
+    sizes: tuple[int, ...]
+    routes: tuple[Routes, ...]
+    output: str
+    source: str
+    programs: Callable[[int], Program]
+
+    @property
+    def starts(self) -> list[int]:
+        return [sum(self.sizes[:k]) for k in range(len(self.sizes) + 1)]
+
+    def _span(self, index: int) -> range:
+        starts = self.starts
+        return range(starts[index], starts[index + 1])
+
+    def program(self, index: int) -> Program:
+        return self.programs(index)
+
+    def _common(self) -> dict[str, torch.Tensor]:
+        """State no item holds: the code between pieces reads it (a learned position table on
+        the root, a buffer) or nothing does. Every stage keeps it."""
+        held = {id(t) for module in self.modules for t in _tensors(module)}
+        return {
+            name: t
+            for name, t in self.model.state_dict(keep_vars=True).items()
+            if id(t) not in held
+        } | {name: p for name, p in self.model.named_parameters() if id(p) not in held}
+
+    def stage_module(self, index: int) -> nn.Module:
+        """The modules stage `index` trains, as one module (for parameters and mode)."""
+        stage = nn.ModuleDict(
+            {self.names[i].replace(".", "/"): self.modules[i] for i in self._span(index)}
+        )
+        common = nn.Module()
+        for name, tensor in self._common().items():
+            if isinstance(tensor, nn.Parameter):
+                common.register_parameter(name.replace(".", "/"), tensor)
+        stage["<common>"] = common
+        return stage
+
+    def local_state(self, index: int) -> dict[str, torch.Tensor]:
+        """Stage `index`'s state under the original model's names: its items' and the common."""
+        mine = {
+            self.prefixes[i] + key
+            for i in self._span(index)
+            for key in self.modules[i].state_dict()
+        }
+        common = self._common()
+        return {
+            key: value
+            for key, value in self.model.state_dict(keep_vars=True).items()
+            if key in mine or key in common
+        }
+
+    def release_other_stages(self, index: int) -> None:
+        """Free the weights of other stages' items, so each rank holds only its share."""
+        mine = {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
+        everyone = {id(t) for module in self.modules for t in _tensors(module)}
+        with torch.no_grad():
+            for tensor in _tensors(self.model):
+                if id(tensor) in everyone and id(tensor) not in mine:
+                    tensor.data = tensor.data.new_empty(0)
+
+    def shared_parameters(self) -> list[tuple[str, tuple[int, ...], nn.Parameter]]:
+        """(name, stages, parameter) for each parameter several stages hold: one that items of
+        several stages use (tied embeddings), and the common ones (every stage)."""
+        stages_of: dict[int, list[int]] = {}
+        for stage in range(len(self.sizes)):
+            for i in self._span(stage):
+                for param in self.modules[i].parameters():
+                    holders = stages_of.setdefault(id(param), [])
+                    if stage not in holders:
+                        holders.append(stage)
+        every = tuple(range(len(self.sizes)))
+        common = {id(t) for t in self._common().values()}
+        return [
+            (name, every if id(param) in common else tuple(stages_of[id(param)]), param)
+            for name, param in self.model.named_parameters()
+            if id(param) in common or len(stages_of.get(id(param), ())) > 1
+        ]
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
+    """Cut `model` into plan.pp stages (every rank must call this: `agree` is a collective)."""
+    blocks_error: PlanError | None = None
+    if plan.split_points is not None or has_nested_blocks(model):
+        try:
+            return _from_blocks(model, example, plan, agree)
+        except PlanError as error:
+            if plan.split_points is not None:
+                raise
+            blocks_error = error
+    try:
+        graph = layer_graph(model, example)
+    except PlanError as error:
+        if blocks_error is not None:
+            raise PlanError(f"{blocks_error}; and tracing it failed: {error}") from error
+        raise
+    if blocks_error is not None and len(graph.layers) < plan.pp:
+        raise PlanError(
+            f"Plan.pp={plan.pp} exceeds the {len(graph.layers)} layers at the top level of "
+            f"{type(model).__name__}, and cutting inside it failed: {blocks_error}"
+        )
+    return _from_graph(model, graph, example, plan, agree)
+
+
+def _from_graph(
+    model: nn.Module, graph: LayerGraph, example: Any, plan: Plan, agree: Agree
+) -> Cuts:
+    check_split(len(graph.layers), plan.pp, plan.stages)
+    costs = agree(profile_layers(graph, example))
+    trainable = [any(p.requires_grad for p in x.module.parameters()) for x in graph.layers]
+    sizes = tuple(plan.stages or balance([c.total_ms for c in costs], plan.pp, trainable))
+    refuse_stages_without_parameters([x.name for x in graph.layers], trainable, sizes)
+    routes = plan_routes(graph, sizes)
+    starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
+
+    def program(index: int) -> Program:
+        layers = graph.layers[starts[index] : starts[index + 1]]
+        return LayerProgram(layers, graph, routes[index], last=index == plan.pp - 1)
+
+    return Cuts(
+        model=model,
+        names=tuple(x.name for x in graph.layers),
+        modules=tuple(x.module for x in graph.layers),
+        prefixes=tuple(x.prefix for x in graph.layers),
+        costs=tuple(costs),
+        sizes=sizes,
+        routes=tuple(routes),
+        output=graph.output,
+        source=graph.source,
+        programs=program,
+    )
+
+
+def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
+    blocks = find_blocks(model, example)
+    pieces = blocks.pieces
+    check_split(len(pieces), plan.pp, plan.stages)
+    measured = [
+        LayerCost(
+            forward_ms=piece.forward_ms,
+            backward_ms=_BACKWARD_PER_FORWARD * piece.forward_ms,
+            parameter_bytes=piece.parameter_bytes,
+            activation_bytes=after.crossing_bytes if after is not None else 0,
+        )
+        for piece, after in zip(pieces, [*pieces[1:], None], strict=True)
+    ]
+    costs = agree(measured)
+    trainable = [any(p.requires_grad for p in x.module.parameters()) for x in pieces]
+    spine = Spine(model, pieces)
+    if plan.split_points is not None:
+        sizes = sizes_at(pieces, plan.split_points)
+    elif plan.stages is not None:
+        sizes = plan.stages
+    else:
+        sizes = _balanced(costs, trainable, cut_positions(spine, example), plan.pp, pieces)
+    refuse_stages_without_parameters([x.name for x in pieces], trainable, sizes)
+    check_chain(spine, sizes, example)
+    starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
+    names = [
+        tuple(f"cut{k}.{j}" for j in range(pieces[starts[k]].crossing)) for k in range(plan.pp)
+    ]
+    routes = [
+        Routes(
+            receives=((k - 1, names[k]),) if k > 0 else (),
+            sends=((k + 1, names[k + 1]),) if k < plan.pp - 1 else (),
+        )
+        for k in range(plan.pp)
+    ]
+
+    def program(index: int) -> Program:
+        last = index == plan.pp - 1
+        made = ["output"] if last else list(names[index + 1])
+        return _SpineProgram(spine, starts[index], starts[index + 1], made)
+
+    return Cuts(
+        model=model,
+        names=tuple(x.name for x in pieces),
+        modules=tuple(x.module for x in pieces),
+        prefixes=tuple(f"{x.name}." for x in pieces),
+        costs=tuple(costs),
+        sizes=sizes,
+        routes=tuple(routes),
+        output="output",
+        source=f"blocks ({', '.join(blocks.lists)})",
+        programs=program,
+    )
+
+
+def _balanced(
+    costs: Sequence[LayerCost],
+    trainable: Sequence[bool],
+    cuts: Sequence[int],
+    stages: int,
+    pieces: Sequence[Piece],
+) -> tuple[int, ...]:
+    """The profile-balanced split that cuts only where a stage may begin.
+
+    Pieces between two allowed cuts form one segment; the partitioner balances segments.
+    """
+    bounds = [0, *cuts, len(costs)]
+    segments = list(zip(bounds, bounds[1:], strict=False))
+    if len(segments) < stages:
+        raise PlanError(
+            f"Plan.pp={stages} needs {stages - 1} cuts, but a stage can begin only at "
+            f"{[pieces[k].name for k in cuts]}; use pp <= {len(segments)}"
+        )
+    sizes = balance(
+        [sum(c.total_ms for c in costs[a:b]) for a, b in segments],
+        stages,
+        [any(trainable[a:b]) for a, b in segments],
+    )
+    starts = [sum(sizes[:k]) for k in range(stages + 1)]
+    return tuple(bounds[starts[k + 1]] - bounds[starts[k]] for k in range(stages))
+
+
+class _SpineProgram:
+    """Stage program of the block front end: pieces [first, stop) inside the model's forward."""
+
+    def __init__(self, spine: Spine, first: int, stop: int, made: Sequence[str]) -> None:
+        self.spine, self.first, self.stop, self.made = spine, first, stop, list(made)
+
+    def __call__(self, x: Any, *received: torch.Tensor) -> tuple[Any, ...]:
+        return self.spine.run(self.first, self.stop, x, received)
+
+
+def refuse_stages_without_parameters(
+    names: Sequence[str], trainable: Sequence[bool], sizes: Sequence[int]
+) -> None:
+    """A stage with nothing to train cannot build its optimizer; say which and what to do."""
+    start = 0
+    for stage, size in enumerate(sizes):
+        if not any(trainable[start : start + size]):
+            raise PlanError(
+                f"stage {stage} of Plan.stages={list(sizes)} holds only layers without "
+                f"trainable parameters ({', '.join(names[start : start + size])}); give it a "
+                "layer with parameters via Plan.stages, or use fewer stages"
+            )
+        start += size

@@ -1,0 +1,198 @@
+"""A stage as the model's own forward with the other stages' pieces stubbed out.
+
+Stage k holds pieces [first, stop) (see `blocks.py`). It runs the whole `forward` on the
+micro-batch: a piece before `first` returns a placeholder of the right shape, not run; when
+the forward calls piece `first`, the tensors it is called with (hidden states and whatever
+else crosses: masks, rotary cos/sin, position ids, residuals) are replaced by the ones stage
+k-1 sent; pieces up to `stop` run for real; when the forward calls piece `stop`, the tensors
+it is called with are what this stage sends on, and the forward is abandoned there. The last
+stage runs to the end and returns the model's output (any pytree) for the loss.
+
+Code between pieces (mask making, position ids, dropout) runs on every stage; what it feeds
+to a stage's first piece comes from the stage before, so it only has to be shape-correct on
+placeholders. `check_chain` proves on the example, in one process, that the chain of stages
+gives the model's own output before anything is split.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from meshsplit.batch import call_model, rows, tensors
+from meshsplit.pipeline.blocks import Piece
+from meshsplit.plan import PlanError
+
+__all__: list[str] = []
+
+
+class _Cut(BaseException):
+    """Stops the forward at the next stage's first piece (BaseException: no `except Exception`
+    in a model's forward catches it)."""
+
+    def __init__(self, values: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.values = values
+
+
+class Spine:
+    """Runs a range of pieces of `model` inside the model's own forward (one per model)."""
+
+    def __init__(self, model: nn.Module, pieces: Sequence[Piece]) -> None:
+        self.model = model
+        self.pieces = list(pieces)
+        self._range: tuple[int, int] | None = None
+        self._received: list[torch.Tensor] = []
+        self._swapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """id of a tensor the stage's first piece was called with -> (it, its received value)."""
+        self._rows = 0
+        self._device = torch.device("cpu")
+        for index, piece in enumerate(self.pieces):
+            self._wrap(index, piece)
+
+    def _wrap(self, index: int, piece: Piece) -> None:
+        original = piece.module.forward
+        spine = self
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if spine._range is None:
+                return original(*args, **kwargs)
+            first, stop = spine._range
+            if index < first:
+                return piece.placeholder.make(spine._rows, spine._device)
+            if index == stop:
+                raise _Cut(tensors((args, kwargs)))
+            if index == first and first > 0:
+                args, kwargs = spine._substitute(piece, (args, kwargs))
+            elif spine._swapped:
+                args, kwargs = spine._resubstitute((args, kwargs))
+            return original(*args, **kwargs)
+
+        piece.module.forward = types.MethodType(forward, piece.module)
+
+    def _substitute(self, piece: Piece, call: tuple[Any, Any]) -> tuple[Any, Any]:
+        """The call's tensors replaced, in pytree order, by those the previous stage sent."""
+        leaves, spec = pytree.tree_flatten(call)
+        received = iter(self._received)
+        count = sum(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        if count != len(self._received):
+            raise PlanError(
+                f"{piece.name!r} is called with {count} tensors here but the stage before sent "
+                f"{len(self._received)}: the model's forward passes different values on "
+                "different stages; cut elsewhere with Plan.split_points"
+            )
+        swapped = [next(received) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        for old, new in zip(leaves, swapped, strict=True):
+            if isinstance(old, torch.Tensor):
+                self._swapped[id(old)] = (old, new)
+        return pytree.tree_unflatten(swapped, spec)
+
+    def _resubstitute(self, call: tuple[Any, Any]) -> tuple[Any, Any]:
+        """A later piece's call with every tensor the first piece was handed replaced too.
+
+        The forward passes some values to every piece (an encoder's output to each decoder
+        block, a mask); made here from placeholders, they must be the received ones.
+        """
+
+        def swap(leaf: Any) -> Any:
+            old, new = self._swapped.get(id(leaf), (None, None))
+            return new if old is leaf else leaf
+
+        return pytree.tree_map(swap, call)
+
+    def run(
+        self, first: int, stop: int, inputs: Any, received: Sequence[torch.Tensor]
+    ) -> tuple[Any, ...]:
+        """Pieces [first, stop) on `inputs`: what piece `stop` is called with, or the output."""
+        leaves = tensors(inputs)
+        self._range, self._received = (first, stop), list(received)
+        self._rows, self._device = rows(inputs), leaves[0].device
+        try:
+            output = call_model(self.model, inputs)
+        except _Cut as cut:
+            return tuple(cut.values)
+        finally:
+            self._range, self._received, self._swapped = None, [], {}
+        if stop < len(self.pieces):
+            raise PlanError(
+                f"the forward of {type(self.model).__name__} did not call "
+                f"{self.pieces[stop].name!r} on this input, though it did on the example; "
+                "the layer split needs every piece called on every batch"
+            )
+        return (output,)
+
+
+def check_chain(spine: Spine, sizes: Sequence[int], example: Any) -> None:
+    """Refuse a cut whose stages, chained, do not give the model's own output on `example`.
+
+    That happens when the forward reads, after a cut, something made before it other than
+    through the arguments of the piece after it (say, the embeddings' output reused at the
+    end). Runs in eval mode (no dropout), with every stage's weights still here.
+    """
+    with _evaluating(spine.model):
+        mismatch = _first_mismatch(_chained(spine, sizes, example), _whole(spine, example))
+    if mismatch:
+        starts = [spine.pieces[sum(sizes[:k])].name for k in range(1, len(sizes))]
+        raise PlanError(
+            f"cutting {type(spine.model).__name__} before {starts} changes its output "
+            f"({mismatch}): its forward uses a value from before a cut other than through the "
+            "arguments of the piece after it; choose other cuts with Plan.split_points, or make "
+            "the model an nn.Sequential of pieces"
+        )
+
+
+def cut_positions(spine: Spine, example: Any) -> list[int]:
+    """The pieces a stage may begin at: those where one cut alone keeps the model's output.
+
+    (GPT-2 adds its token and position embeddings after calling both, so no stage may begin
+    at the position embedding.)
+    """
+    with _evaluating(spine.model):
+        want = _whole(spine, example)
+        count = len(spine.pieces)
+        return [
+            k
+            for k in range(1, count)
+            if not _first_mismatch(_chained(spine, (k, count - k), example), want)
+        ]
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    training = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+
+
+def _whole(spine: Spine, example: Any) -> Any:
+    return call_model(spine.model, example)
+
+
+def _chained(spine: Spine, sizes: Sequence[int], example: Any) -> Any:
+    values: tuple[Any, ...] = ()
+    start = 0
+    for size in sizes:
+        values = spine.run(start, start + size, example, tensors(values))
+        start += size
+    return values[0]
+
+
+def _first_mismatch(got: Any, want: Any) -> str:
+    got_leaves, want_leaves = tensors(got), tensors(want)
+    if len(got_leaves) != len(want_leaves):
+        return f"{len(got_leaves)} output tensors instead of {len(want_leaves)}"
+    for index, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True):
+            return f"output tensor {index} differs"
+    return ""

@@ -1,0 +1,48 @@
+"""Parameters that several stages use (tied input and output embeddings), kept in step.
+
+Each stage that uses such a parameter keeps its own copy. After backward, the copies'
+gradients are summed over exactly those stages (one all-reduce per parameter, within each
+dp replica and tp rank), which is the gradient one process computes for the shared tensor;
+every copy then takes the same optimizer step, so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit.mesh import Mesh
+
+__all__: list[str] = []
+
+
+class TiedGradients:
+    """Sums the gradients of this stage's shared parameters over the stages that hold them."""
+
+    def __init__(
+        self, shared: Sequence[tuple[str, tuple[int, ...], nn.Parameter]], mesh: Mesh
+    ) -> None:
+        self.names = [name for name, _, _ in shared]
+        self._mine: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
+        grid = mesh.device_mesh.mesh
+        groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        for _, stages, param in shared:
+            if stages not in groups:
+                groups[stages] = None
+                # every rank creates every group, in the same order (new_group is collective)
+                for dp in range(mesh.size("dp")):
+                    for tp in range(mesh.size("tp")):
+                        ranks = [int(grid[dp, stage, tp]) for stage in stages]
+                        group = dist.new_group(ranks)
+                        if dist.get_rank() in ranks:
+                            groups[stages] = group
+            group = groups[stages]
+            if group is not None:
+                self._mine.append((param, group))
+
+    def all_reduce(self) -> None:
+        for param, group in self._mine:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)

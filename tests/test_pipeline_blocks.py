@@ -1,0 +1,125 @@
+"""The block front end, without processes: pieces found in nested models, cuts checked.
+
+Each model is cut in one process and its stages chained by hand: the chain must give the
+model's own output, and a cut whose stages cannot chain must be refused with its name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import meshsplit as ms
+from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks, sizes_at
+from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import FACTORIES  # noqa: E402
+
+
+def _example(name: str) -> torch.Tensor:
+    if name == "resnet":
+        return torch.randn(4, 3, 32, 32)
+    return torch.randint(0, 64, (4, 8))
+
+
+PIECES = {
+    "gpt2": ("m.transformer.h", ["m.transformer.wte", "m.transformer.wpe", "m.transformer.h.0"]),
+    "llama": ("m.model.layers", ["m.model.embed_tokens", "m.model.layers.0"]),
+    "bert": ("m.bert.encoder.layer", ["m.bert.embeddings", "m.bert.encoder.layer.0"]),
+    "resnet": ("m.resnet.encoder.stages", ["m.resnet.embedder", "m.resnet.encoder.stages.0"]),
+}
+LAST = {"gpt2": "m.lm_head", "llama": "m.lm_head", "bert": "m.classifier", "resnet": "m.classifier"}
+
+
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_blocks_of_hugging_face_models_are_found_in_call_order(name: str) -> None:
+    torch.manual_seed(0)
+    model = FACTORIES[name]()
+    assert has_nested_blocks(model)
+    blocks = find_blocks(model, _example(name))
+    lists, first = PIECES[name]
+    names = [piece.name for piece in blocks.pieces]
+    assert blocks.lists == (lists,)
+    assert names[: len(first)] == first and names[-1] == LAST[name]
+    assert sum(name.startswith(lists + ".") for name in names) == 4
+    assert all(piece.forward_ms > 0 and piece.parameter_bytes > 0 for piece in blocks.pieces)
+
+
+@pytest.mark.parametrize("name", sorted(PIECES))
+def test_stages_chained_in_one_process_give_the_models_output(name: str) -> None:
+    torch.manual_seed(0)
+    model, x = FACTORIES[name]().eval(), _example(name)
+    blocks = find_blocks(model, x)
+    spine = Spine(model, blocks.pieces)
+    cuts = cut_positions(spine, x)
+    # GPT-2 adds its token and position embeddings after calling both: no cut between them
+    assert (1 not in cuts) == (name == "gpt2")
+    with torch.no_grad():
+        want = model(x)
+        for starts in (cuts[:1], cuts[:3]):
+            bounds = [0, *starts, len(blocks.pieces)]
+            sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+            check_chain(spine, sizes, x)  # raises on a mismatch
+            values: tuple = ()
+            start = 0
+            for size in sizes:
+                values = spine.run(start, start + size, x, [t for t in values])
+                start += size
+            torch.testing.assert_close(values[0], want)
+        assert torch.equal(model(x), want)  # outside a stage the pieces run as before
+
+
+class ReusesEmbedding(nn.Module):
+    """The head reads the embedding output directly, past every block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids)
+        x = e
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x + e)
+
+
+def test_a_cut_the_forward_reads_across_is_refused_with_its_name() -> None:
+    torch.manual_seed(0)
+    model, x = ReusesEmbedding(), torch.randint(0, 16, (4, 5))
+    blocks = find_blocks(model, x)
+    spine = Spine(model, blocks.pieces)
+    with pytest.raises(ms.PlanError, match=r"cutting ReusesEmbedding before \['blocks.1'\]"):
+        check_chain(spine, sizes_at(blocks.pieces, ["blocks.1"]), x)
+
+
+def test_split_points_name_pieces_or_are_refused_with_the_choices() -> None:
+    torch.manual_seed(0)
+    blocks = find_blocks(FACTORIES["llama"](), _example("llama"))
+    assert sizes_at(blocks.pieces, ["m.model.layers.2"]) == (3, 4)
+    assert sizes_at(blocks.pieces, ["m.model.layers.1", "m.model.layers.3"]) == (2, 2, 3)
+    with pytest.raises(ms.PlanError, match=r"names \['m.model.layer.2'\].*m.model.embed_tokens"):
+        sizes_at(blocks.pieces, ["m.model.layer.2"])
+    with pytest.raises(ms.PlanError, match="distinct pieces after the first"):
+        sizes_at(blocks.pieces, ["m.model.embed_tokens"])
+    with pytest.raises(ms.PlanError, match="must name pp-1 = 1 module paths"):
+        ms.Plan(pp=2, split_points=("a", "b"))
+
+
+class CallsTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+
+def test_a_piece_called_twice_is_refused() -> None:
+    with pytest.raises(ms.PlanError, match="'blocks.0' is called 2 times"):
+        find_blocks(CallsTwice(), torch.randn(2, 4))
