@@ -16,7 +16,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-if TYPE_CHECKING:
-    from meshsplit.engine import Engine
+from meshsplit import tensor as tp_tensor
+from meshsplit.mesh import Mesh
+from meshsplit.plan import Plan
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
@@ -37,6 +38,31 @@ KEEP = 2
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit this model."""
+
+
+class _LocalState(Protocol):
+    def local_state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def named_parameters(self) -> dict[torch.Tensor, str]: ...
+
+
+class Engine(Protocol):
+    """What a checkpoint reads and restores: the engine, seen from here."""
+
+    plan: Plan
+    mesh: Mesh
+    steps: int
+    data_position: dict[str, int]
+
+    @property
+    def runner(self) -> _LocalState: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """None before the model is split: no optimizer state exists yet."""
+        ...
+
+    def shard_layouts(self) -> dict[str, tuple[int, int]]: ...
 
 
 def save(engine: Engine, directory: str | os.PathLike[str]) -> Path:
@@ -61,6 +87,11 @@ def save(engine: Engine, directory: str | os.PathLike[str]) -> Path:
     return final
 
 
+def check_readable(path: Path) -> None:
+    """Refuse a checkpoint whose metadata cannot be read, before it is needed."""
+    _metadata(path)
+
+
 def load(engine: Engine, directory: str | os.PathLike[str]) -> Path:
     """Restore model, optimizer, step count, RNG and data position; the plan may differ."""
     path = resolve(directory)
@@ -76,11 +107,17 @@ def load(engine: Engine, directory: str | os.PathLike[str]) -> Path:
     }
     _check_fits(state, metadata, path)
     dcp.load(state, storage_reader=FileSystemReader(path))
+    layouts = _layouts(engine)
     with torch.no_grad():
         for key, live in _live_tensors(engine):
             loaded = state.get(key)
             if isinstance(loaded, DTensor):
                 live.copy_(loaded.to_local())
+            elif key in layouts and isinstance(loaded, torch.Tensor) and loaded is not live:
+                dim, parts = layouts[key]
+                group = engine.mesh.group("tp")
+                rank, size = dist.get_rank(group), dist.get_world_size(group)
+                live.copy_(tp_tensor.local_shard(loaded, dim, parts, rank, size))
     progress = state["progress"]
     engine.steps = progress["steps"]
     engine.data_position = dict(progress["data_position"])
@@ -154,35 +191,50 @@ def _metadata(path: Path) -> Metadata:
         ) from error
 
 
-def _placed(tensor: torch.Tensor, dim: int | None, engine: Engine) -> torch.Tensor:
-    """A tp shard as a DTensor (so DCP knows its global shape), anything else as it is."""
-    if dim is None or engine.plan.tp == 1:
+def _layouts(engine: Engine) -> dict[str, tuple[int, int]]:
+    """Checkpoint key -> (dim, parts) of every tp-split model or optimizer tensor here."""
+    layouts = engine.shard_layouts()
+    shapes = {name: t.shape for name, t in engine.runner.local_state_dict().items()}
+    found = {}
+    for key, live in _live_tensors(engine):
+        name = key.split("/", 2)[1]
+        # optimizer state shaped like its parameter (momenta) is split the same way
+        if name in layouts and live.shape == shapes[name]:
+            found[key] = layouts[name]
+    return found
+
+
+def _placed(tensor: torch.Tensor, layout: tuple[int, int] | None, engine: Engine) -> Any:
+    """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), the whole
+    tensor gathered (a fused tensor's blocks are not contiguous), or the tensor itself."""
+    if layout is None:
         return tensor
-    tp_mesh = engine.mesh.device_mesh["tp"]
-    return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
+    dim, parts = layout
+    if parts == 1:
+        tp_mesh = engine.mesh.device_mesh["tp"]
+        return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
+    return tp_tensor.unshard_tensor(tensor, dim, parts, engine.mesh.group("tp"))
 
 
 def _live_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint key, live tensor) for every model tensor and optimizer state tensor."""
-    module = engine.module
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        yield f"model/{name}", tensor.data
-    name_of: dict[torch.Tensor, str] = {p: name for name, p in module.named_parameters()}
-    for param, state in _local_optimizer(engine).state.items():
+    for name, tensor in engine.runner.local_state_dict().items():
+        yield f"model/{name}", tensor
+    optimizer = _local_optimizer(engine)
+    if optimizer is None:
+        return
+    name_of = engine.runner.named_parameters()
+    for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 yield f"optim/{name_of[param]}/{key}", value
 
 
 def _state(engine: Engine) -> dict[str, Any]:
-    dims = engine.shard_dims()
-    shapes = {name: tensor.shape for name, tensor in engine.module.state_dict().items()}
-    state: dict[str, Any] = {}
-    for key, tensor in _live_tensors(engine):
-        name = key.split("/", 2)[1]
-        # Optimizer state shaped like its parameter (momenta) is split the same way.
-        is_shard = name in dims and tensor.shape == shapes[name]
-        state[key] = _placed(tensor, dims[name] if is_shard else None, engine)
+    layouts = _layouts(engine)
+    state: dict[str, Any] = {
+        key: _placed(tensor, layouts.get(key), engine) for key, tensor in _live_tensors(engine)
+    }
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
     state["progress"] = {"steps": engine.steps, "data_position": dict(engine.data_position)}
     return state
@@ -208,7 +260,7 @@ def _check_fits(state: dict[str, Any], metadata: Metadata, path: Path) -> None:
                 )
 
 
-def _local_optimizer(engine: Engine) -> torch.optim.Optimizer:
+def _local_optimizer(engine: Engine) -> torch.optim.Optimizer | None:
     """The optimizer that holds this rank's state (the inner one under ZeRO)."""
     optimizer = engine.optimizer
     return getattr(optimizer, "optim", optimizer)
@@ -217,6 +269,8 @@ def _local_optimizer(engine: Engine) -> torch.optim.Optimizer:
 def _ensure_optimizer_state(engine: Engine) -> None:
     """Create the optimizer's state tensors (lazy in torch) with a zero-gradient, zero-lr step."""
     optimizer = _local_optimizer(engine)
+    if optimizer is None:
+        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if all(p in optimizer.state for p in params):
         return

@@ -63,12 +63,15 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
         plan,
         optimizer=lambda params: torch.optim.Adam(params, lr=options["lr"]),
         loss_fn=loss_for(name),
-        example_inputs=train_data[0][:micro_rows] if plan.pp > 1 else None,
+        example_inputs=train_data[0][:micro_rows],
     )
     if engine.plan.tp > 1 and engine.mesh.is_first_rank:
         Console().print(operator_split_table(engine.describe()["operator_split"]))
     if engine.plan.pp > 1 and engine.mesh.is_first_rank:
         Console().print(stage_table(engine.describe()))
+    batchnorm = engine.describe()["batchnorm"]
+    if batchnorm and engine.mesh.is_first_rank:
+        Console().print(f"{batchnorm['dp']}\n{batchnorm['pp']}")
     checkpoint_dir = options["checkpoint_dir"]
     if options["resume"]:
         engine.load(checkpoint_dir)

@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, tensor
+from meshsplit import checkpoint, tensor, training
+from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
+from meshsplit.batchnorm import commit_batchnorm, convert_batchnorm, describe_batchnorm
 from meshsplit.data_parallel import GradientSync, shard_optimizer
 from meshsplit.memory.report import (
     MemoryReport,
@@ -28,8 +31,8 @@ from meshsplit.memory.report import (
 )
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.runner import PipelineRunner
-from meshsplit.plan import Plan
-from meshsplit.runner import LocalRunner, LossFn, Runner
+from meshsplit.plan import Plan, PlanError
+from meshsplit.runner import LocalRunner, Runner
 
 __all__ = ["Engine", "parallelize"]
 
@@ -42,40 +45,54 @@ def parallelize(
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
-    example_inputs: torch.Tensor | None = None,
+    example_inputs: Any = None,
 ) -> Engine:
     """Split `model` over the running processes as `plan` says and return its Engine.
 
     Every rank must call this with the same model built the same way; rank 0's initial
-    parameters are broadcast so all replicas and shards start from one model. A layer split
-    profiles the model on `example_inputs` (one micro-batch); without them it waits for the
-    first batch the engine sees.
+    parameters are broadcast so all replicas and shards start from one model. The operator
+    split follows the model's data flow and the layer split profiles it, both on one
+    micro-batch: `example_inputs` (a tensor or a dict/tuple of them), or else the first batch
+    the engine sees.
     """
     mesh = Mesh.build(plan)
     baseline = baseline_bytes(model, mesh.device)
     reset_peak(mesh.device)
     model = model.to(mesh.device)
     _broadcast_from_first_rank(model)
-    decisions = tensor.parallelize(model, mesh, plan.tp_plan) if plan.tp > 1 else []
-    loss = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
-
-    def build_runner(example: torch.Tensor | None) -> Runner:
-        if plan.pp > 1:
-            return PipelineRunner(model, mesh, plan, loss, example)
-        return LocalRunner(model, loss, plan.micro_batches)
-
+    _share_random_stream(mesh)
     engine = Engine(
         plan=plan,
         mesh=mesh,
-        build_runner=build_runner,
-        loss_fn=loss,
+        model=model,
+        loss_fn=loss_fn if loss_fn is not None else nn.CrossEntropyLoss(),
         make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
-        operator_split=decisions,
         baseline_bytes=baseline,
     )
-    if plan.pp == 1 or example_inputs is not None:
+    if example_inputs is not None or not engine.needs_example:
         engine.build(example_inputs)
     return engine
+
+
+def _share_random_stream(mesh: Mesh) -> None:
+    """Give the tp ranks of each group one random stream: the first tp rank's.
+
+    Every tp rank then draws the same dropout masks (and any other random numbers) in the
+    replicated regions, so replicated parameters stay bit-identical across tp; the ranks
+    stay in step because each draws the same amounts. dp replicas and stages keep their own
+    streams (usually one seed on every rank, as the caller set it). A no-op when the tp
+    ranks were seeded alike.
+    """
+    if mesh.size("tp") == 1:
+        return
+    first, group = mesh.global_rank(tp=0), mesh.group("tp")
+    state = torch.get_rng_state()
+    dist.broadcast(state, src=first, group=group)
+    torch.set_rng_state(state)
+    if mesh.device.type == "cuda":
+        device_state = torch.cuda.get_rng_state().to(mesh.device)
+        dist.broadcast(device_state, src=first, group=group)
+        torch.cuda.set_rng_state(device_state.cpu())
 
 
 def _broadcast_from_first_rank(model: nn.Module) -> None:
@@ -95,50 +112,77 @@ class Engine:
         *,
         plan: Plan,
         mesh: Mesh,
-        build_runner: Callable[[torch.Tensor | None], Runner],
+        model: nn.Module,
         loss_fn: LossFn,
         make_optimizer: OptimizerFactory,
-        operator_split: list[tensor.Decision] | None = None,
         baseline_bytes: int = 0,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
+        self.model = model
+        """The caller's model, split in place (other stages' weights released)."""
         self.loss_fn = loss_fn
         self.steps = 0
         self.data_position = {"epoch": 0, "batch": 0}
         """Where `fit` is in its data: completed epochs and batches of the current one."""
-        self._build_runner = build_runner
         self._make_optimizer = make_optimizer
-        self.operator_split = operator_split or []
+        self.operator_split: list[tensor.Decision] = []
+        self.batchnorm: list[str] = []
+        """Names of the BatchNorm layers whose statistics span the dp group (see batchnorm.py)."""
         self.baseline_bytes = baseline_bytes
         """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
+        self._pending_load: Path | None = None
 
-    def build(self, example_inputs: torch.Tensor | None) -> _Parts:
-        """Create this rank's runner, gradient sync and optimizer (once; the same on all ranks)."""
+    @property
+    def needs_example(self) -> bool:
+        """Whether splitting waits for a micro-batch (operator split by data flow, profiling)."""
+        return self.plan.pp > 1 or self.plan.tp > 1
+
+    def build(self, example_inputs: Any) -> _Parts:
+        """Split the model and create this rank's runner, gradient sync and optimizer (once)."""
         if self._parts is not None:
             return self._parts
-        runner = self._build_runner(example_inputs)
+        if example_inputs is None and self.needs_example:
+            raise PlanError(
+                f"Plan {self.plan.describe()} splits the model along its data flow, found on "
+                "one micro-batch; pass example_inputs= to parallelize, or call "
+                "train_step/predict first"
+            )
+        model, plan = self.model, self.plan
+        self.batchnorm = convert_batchnorm(model, self.mesh.group("dp"), plan.micro_batches)
+        if plan.tp > 1:
+            self.operator_split = tensor.parallelize(
+                model, self.mesh, plan.tp_plan, example=example_inputs
+            )
+        runner: Runner
+        if plan.pp > 1:
+            runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs)
+        else:
+            runner = LocalRunner(model, self.loss_fn, plan.micro_batches)
         params = list(runner.parameters())
         self._parts = _Parts(
             runner=runner,
-            sync=GradientSync(params, self.mesh.group("dp"), self.plan.bucket_mb),
+            sync=GradientSync(params, self.mesh.group("dp"), plan.bucket_mb),
             optimizer=(
                 shard_optimizer(self._make_optimizer, params, self.mesh.group("dp"))
-                if self.plan.zero
+                if plan.zero
                 else self._make_optimizer(params)
             ),
         )
+        if self._pending_load is not None:
+            path, self._pending_load = self._pending_load, None
+            checkpoint.load(self, path)
         return self._parts
 
-    def _built(self, batch: torch.Tensor | None = None) -> _Parts:
+    def _built(self, batch: Any = None) -> _Parts:
         """The split model, built now from one micro-batch of `batch` if not built yet."""
         if self._parts is not None:
             return self._parts
         example = None
         if batch is not None:
-            rows = self._replica_rows(batch)
-            example = rows[: max(1, len(rows) // self.plan.micro_batches)]
+            mine = self._replica_rows(batch)
+            example = split_rows(mine, min(rows(mine), self.plan.micro_batches))[0]
         return self.build(example)
 
     @property
@@ -158,22 +202,25 @@ class Engine:
     def optimizer(self) -> torch.optim.Optimizer:
         return self._built().optimizer
 
-    def _replica_rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This dp replica's contiguous slice of a global batch."""
-        return batch.tensor_split(self.plan.dp)[self.mesh.rank("dp")].to(self.mesh.device)
+    def _replica_rows(self, batch: Any) -> Any:
+        """This dp replica's contiguous slice of a global batch (a tensor or a pytree)."""
+        return to_device(split_rows(batch, self.plan.dp)[self.mesh.rank("dp")], self.mesh.device)
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: Any, targets: Any) -> float:
         """One optimizer step on the global batch; its mean loss, the same on every rank."""
-        self.plan.check_batch(len(inputs))
-        if len(targets) != len(inputs):
-            raise ValueError(f"inputs have {len(inputs)} rows but targets have {len(targets)}")
+        global_rows = rows(inputs)
+        self.plan.check_batch(global_rows)
+        if rows(targets) != global_rows:
+            raise ValueError(f"inputs have {global_rows} rows but targets have {rows(targets)}")
         parts = self._built(inputs)
-        parts.runner.module.train()
+        parts.runner.train(True)
         parts.sync.begin_step(parts.runner.backward_passes())
         loss = parts.runner.train_batch(
-            self._replica_rows(inputs), self._replica_rows(targets), len(inputs)
+            self._replica_rows(inputs), self._replica_rows(targets), global_rows
         )
         parts.sync.finish()
+        parts.runner.finish_gradients()
+        commit_batchnorm(parts.runner.module)
         parts.optimizer.step()
         parts.sync.zero_grad()
         self.steps += 1
@@ -181,43 +228,54 @@ class Engine:
         return float(loss.item())
 
     @torch.no_grad()
-    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+    def predict(self, inputs: Any) -> Any:
         """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
         runner = self._built(inputs).runner
-        runner.module.eval()
-        rows = inputs.tensor_split(self.plan.dp)
-        mine = runner.forward(rows[self.mesh.rank("dp")].to(self.mesh.device))
+        runner.train(False)
+        output = runner.forward(self._replica_rows(inputs))
         if self.plan.dp == 1:
+            return output
+        replica_rows = [rows(part) for part in split_rows(inputs, self.plan.dp)]
+        return pytree.tree_map(lambda t: self._gather_rows(t, replica_rows), output)
+
+    def _gather_rows(self, mine: Any, replica_rows: list[int]) -> Any:
+        """The replicas' row slices of one output tensor, concatenated on every rank."""
+        if not isinstance(mine, torch.Tensor) or mine.dim() == 0:
             return mine
-        longest = len(rows[0])
+        longest = replica_rows[0]
         padded = mine.new_zeros((longest, *mine.shape[1:]))
         padded[: len(mine)] = mine
         gathered = mine.new_empty((self.plan.dp * longest, *mine.shape[1:]))
-        dist.all_gather_single(gathered, padded, group=self.mesh.group("dp"))
+        dist.all_gather_into_tensor(gathered, padded, group=self.mesh.group("dp"))
         pieces = gathered.split(longest)
-        return torch.cat([piece[: len(part)] for piece, part in zip(pieces, rows, strict=True)])
+        return torch.cat([p[:n] for p, n in zip(pieces, replica_rows, strict=True)])
 
     @torch.no_grad()
-    def evaluate(
-        self, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
-    ) -> dict[str, float]:
-        """Mean loss and accuracy (argmax of the last dimension) over a dataset."""
-        total_loss, correct, positions = 0.0, 0, 0
-        for start in range(0, len(inputs), batch_size):
-            x, y = inputs[start : start + batch_size], targets[start : start + batch_size]
-            output = self.predict(x).cpu()
-            total_loss += float(self.loss_fn(output, y)) * len(y)
-            correct += int((output.argmax(-1) == y).sum())
-            positions += y.numel()
-        return {"loss": total_loss / len(inputs), "accuracy": correct / positions}
+    def evaluate(self, inputs: Any, targets: Any, batch_size: int = 512) -> dict[str, float]:
+        """Mean loss and accuracy (argmax of the last dimension, for tensor outputs)."""
+        total_loss, correct, positions, count = 0.0, 0, 0, rows(inputs)
+        for start in range(0, count, batch_size):
+            x = take_rows(inputs, slice(start, start + batch_size))
+            y = take_rows(targets, slice(start, start + batch_size))
+            output = pytree.tree_map(
+                lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.predict(x)
+            )
+            total_loss += float(self.loss_fn(output, y)) * rows(y)
+            if isinstance(output, torch.Tensor) and isinstance(y, torch.Tensor):
+                correct += int((output.argmax(-1) == y).sum())
+                positions += y.numel()
+        scores = {"loss": total_loss / count}
+        if positions:
+            scores["accuracy"] = correct / positions
+        return scores
 
     def fit(
         self,
-        dataset: tuple[torch.Tensor, torch.Tensor],
+        dataset: tuple[Any, Any],
         *,
         epochs: int,
         batch_size: int,
-        eval_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        eval_data: tuple[Any, Any] | None = None,
         seed: int = 0,
         show: bool = True,
         checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -227,9 +285,7 @@ class Engine:
         Continues from `data_position` (set by `load`); with `checkpoint_dir`, saves after
         every epoch.
         """
-        from meshsplit.training import fit
-
-        return fit(
+        return training.fit(
             self,
             dataset,
             epochs=epochs,
@@ -244,7 +300,7 @@ class Engine:
         """The unsplit model's state dict (same keys and shapes as the original), on CPU."""
         local = self.runner.local_state_dict()
         if self.plan.tp > 1:
-            local = tensor.unshard_state_dict(self.module, local, self.mesh.group("tp"))
+            local = tensor.unshard_state_dict(self.model, local, self.mesh.group("tp"))
         local = {k: v.detach().cpu().clone() for k, v in local.items()}
         if self.plan.pp == 1:
             return local
@@ -252,17 +308,35 @@ class Engine:
         dist.all_gather_object(parts, local, group=self.mesh.group("pp"))
         return {key: value for part in parts for key, value in part.items()}
 
-    def shard_dims(self) -> dict[str, int]:
-        """State-dict name -> dimension split over tp, for every tensor the operator split cut."""
-        return tensor.shard_dims(self.module) if self.plan.tp > 1 else {}
+    def shard_layouts(self) -> dict[str, tuple[int, int]]:
+        """State-dict name -> (dimension, parts) split over tp, for every tensor the operator
+        split cut (parts > 1: a fused tensor such as qkv, split within each part)."""
+        return tensor.shard_layouts(self.model) if self.plan.tp > 1 else {}
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write a checkpoint (model, optimizer, steps, RNG, data position); every rank calls."""
+        """Write a checkpoint (model, optimizer, steps, RNG, data position); every rank calls.
+
+        Before the model is split every rank still holds all of it, and there is no optimizer
+        state yet: that is what is saved then.
+        """
+        if self._parts is None and self.needs_example:
+            return checkpoint.save(_Unsplit(self), directory)
+        self._built()
         return checkpoint.save(self, directory)
 
     def load(self, directory: str | os.PathLike[str]) -> Path:
-        """Resume from a checkpoint written under this plan or any other; every rank calls."""
-        return checkpoint.load(self, directory)
+        """Resume from a checkpoint written under this plan or any other; every rank calls.
+
+        Before the model is split (a plan that waits for its first batch) the checkpoint is
+        checked now and read as soon as the split exists.
+        """
+        path = checkpoint.resolve(directory)
+        if self._parts is None and self.needs_example:
+            checkpoint.check_readable(path)
+            self._pending_load = path
+            return path
+        self._built()
+        return checkpoint.load(self, path)
 
     def memory_report(self) -> MemoryReport:
         """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""
@@ -277,18 +351,33 @@ class Engine:
         )
 
     def describe(self) -> dict[str, Any]:
-        """The plan, where each part of the model runs (per stage when pp > 1), and each
-        layer's operator split."""
+        """The plan, where each part of the model runs (per stage when pp > 1), each layer's
+        operator split, and the rule for batch-dependent layers."""
+        runner = self.runner
         return {
             "plan": self.plan.as_dict(),
-            **self.runner.describe(),
+            **runner.describe(),
             "operator_split": [decision.as_dict() for decision in self.operator_split],
+            "batchnorm": describe_batchnorm(self.batchnorm, self.plan.dp, self.plan.micro_batches),
         }
 
     def close(self) -> None:
         """Release hooks and buffers; the process group stays for the caller."""
         if self._parts is not None:
             self._parts.sync.close()
+
+
+class _Unsplit:
+    """An engine not split yet, as a checkpoint sees it: the whole model, no optimizer state."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.plan, self.mesh = engine.plan, engine.mesh
+        self.steps, self.data_position = engine.steps, engine.data_position
+        self.runner = LocalRunner(engine.model, engine.loss_fn, 1)
+        self.optimizer = None
+
+    def shard_layouts(self) -> dict[str, tuple[int, int]]:
+        return {}
 
 
 @dataclass
