@@ -83,3 +83,93 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     if name == "resnet":
         return model, torch.randn(4, 3, 32, 32, generator=generator)
     return model, torch.randint(0, VOCAB, (4, 8), generator=generator)
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder as tokens -> logits, the decoder reading the same tokens."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, decoder_input_ids=ids).logits
+
+
+def _causal(model_class: str, config_class: str, **config: object) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        settings = getattr(transformers, config_class)(vocab_size=VOCAB, **config)
+        return Wrap(getattr(transformers, model_class)(settings))
+
+    return build
+
+
+_LM = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4}
+_GQA = {**_LM, "intermediate_size": 64, "num_key_value_heads": 2, "max_position_embeddings": 16}
+MORE: dict[str, Callable[[], nn.Module]] = {
+    "mistral": _causal("MistralForCausalLM", "MistralConfig", **_GQA),
+    "qwen2": _causal("Qwen2ForCausalLM", "Qwen2Config", **_GQA),
+    "mixtral": _causal("MixtralForCausalLM", "MixtralConfig", **_GQA, num_local_experts=4),
+    "phi": _causal("PhiForCausalLM", "PhiConfig", **_LM, intermediate_size=64),
+    "gpt_neox": _causal("GPTNeoXForCausalLM", "GPTNeoXConfig", **_LM, intermediate_size=64),
+    "gptj": _causal("GPTJForCausalLM", "GPTJConfig", n_embd=32, n_layer=4, n_head=4, rotary_dim=4),
+    "bloom": _causal("BloomForCausalLM", "BloomConfig", hidden_size=32, n_layer=4, n_head=4),
+    "opt": _causal(
+        "OPTForCausalLM", "OPTConfig", **_LM, ffn_dim=64, word_embed_proj_dim=32, dropout=0.0
+    ),
+    "distilbert": _causal(
+        "DistilBertForSequenceClassification",
+        "DistilBertConfig",
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        hidden_dim=64,
+        num_labels=3,
+        dropout=0.0,
+        attention_dropout=0.0,
+        seq_classif_dropout=0.0,
+    ),  # fmt: skip
+    "roberta": _causal(
+        "RobertaForSequenceClassification",
+        "RobertaConfig",
+        **_LM,
+        intermediate_size=64,
+        max_position_embeddings=20,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ),  # fmt: skip
+    "vit": lambda: WrapPixels(
+        transformers.ViTForImageClassification(
+            transformers.ViTConfig(
+                image_size=32, patch_size=8, **_LM, intermediate_size=64, num_labels=10
+            )
+        )
+    ),
+    "convnext": lambda: WrapPixels(
+        transformers.ConvNextForImageClassification(
+            transformers.ConvNextConfig(
+                hidden_sizes=[8, 16, 16, 32], depths=[1, 1, 1, 1], num_labels=10
+            )
+        )
+    ),
+    "t5": lambda: Seq2Seq(
+        transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                dropout_rate=0.0,
+            )  # fmt: skip
+        )
+    ),
+}
+"""More architectures the README names, each tried under one hybrid plan."""
+KINDS = {"bert": "classify", "distilbert": "classify", "roberta": "classify"} | {
+    name: "pixels" for name in ("resnet", "vit", "convnext")
+}
+"""What a model reads and predicts: 'pixels' (images -> 10 classes), 'classify' (tokens -> 3
+classes); every other model maps tokens to next-token logits."""

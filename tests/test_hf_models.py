@@ -19,7 +19,7 @@ import meshsplit as ms
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import FACTORIES, Wrap  # noqa: E402
+from hf_models import FACTORIES, KINDS, MORE, Wrap  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH, STEPS = 8, 3
@@ -38,19 +38,20 @@ def _plan(model: str, shape: tuple[int, int, int]) -> ms.Plan:
 
 
 def _loss(model: str) -> nn.Module:
-    return ms.models.TokenCrossEntropy() if model in ("gpt2", "llama") else nn.CrossEntropyLoss()
+    return nn.CrossEntropyLoss() if model in KINDS else ms.models.TokenCrossEntropy()
 
 
 def _batches(model: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     rows = BATCH * STEPS
-    if model == "resnet":
+    kind = KINDS.get(model, "lm")
+    if kind == "pixels":
         x = torch.randn(rows, 3, 32, 32, generator=g)
         y = torch.randint(0, 10, (rows,), generator=g)
     else:
         x = torch.randint(0, 64, (rows, 8), generator=g)
-        shape = (rows,) if model == "bert" else (rows, 8)
-        y = torch.randint(0, 3 if model == "bert" else 64, shape, generator=g)
+        shape = (rows,) if kind == "classify" else (rows, 8)
+        y = torch.randint(0, 3 if kind == "classify" else 64, shape, generator=g)
     return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
 
 
@@ -60,7 +61,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
-    return FACTORIES[model]()
+    return (FACTORIES | MORE)[model]()
 
 
 def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -93,15 +94,12 @@ def _parallel(cases: list[tuple[str, tuple[int, int, int]]]) -> list[dict[str, A
     return results
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("workers", sorted(PLANS))
-def test_hf_models_match_one_process_under_every_plan(workers: int) -> None:
-    cases = [(model, shape) for shape in PLANS[workers] for model in FACTORIES]
-    per_rank = ms.launch(_parallel, workers, args=(cases,), timeout_s=300)
-    expected = {model: _single(model) for model in FACTORIES}
+def _check(cases: list[tuple[str, tuple[int, int, int]]], per_rank: list[Any]) -> None:
+    """Every rank's losses and whole state equal one process; splits hold a share only."""
+    expected = {model: _single(model) for model in dict(cases)}
     for index, (model, shape) in enumerate(cases):
         want_losses, want_state = expected[model]
-        whole = sum(v.numel() * v.element_size() for k, v in _build(model).named_parameters())
+        whole = sum(v.numel() * v.element_size() for v in _build(model).parameters())
         for rank, results in enumerate(per_rank):
             got = results[index]
             where = f"{model} {_plan(model, shape).describe()} rank {rank}"
@@ -117,6 +115,19 @@ def test_hf_models_match_one_process_under_every_plan(workers: int) -> None:
                 )  # fmt: skip
             if shape[1] > 1 or shape[2] > 1:  # a layer or operator split holds a share only
                 assert got["held"] < 0.8 * whole, f"{where} holds {got['held']} of {whole} bytes"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("workers", sorted(PLANS))
+def test_hf_models_match_one_process_under_every_plan(workers: int) -> None:
+    cases = [(model, shape) for shape in PLANS[workers] for model in FACTORIES]
+    _check(cases, ms.launch(_parallel, workers, args=(cases,), timeout_s=300))
+
+
+@pytest.mark.timeout(900)
+def test_more_architectures_match_one_process_under_pp2_x_tp2() -> None:
+    cases = [(model, (1, 2, 2)) for model in MORE]
+    _check(cases, ms.launch(_parallel, 4, args=(cases,), timeout_s=600))
 
 
 def _replicated_after_dropout() -> dict[str, torch.Tensor]:

@@ -1,7 +1,9 @@
 """The Engine: one training step on the global batch, whatever the split, and `parallelize`.
 
-`parallelize(model, plan)` applies the plan in one order — operator split, layer split,
-memory policy, data-parallel sync, optimizer — each step knowing nothing of the next.
+`parallelize(model, plan)` applies the plan in one order — batch-dependent layers (BatchNorm
+over dp), operator split, layer split, data-parallel sync, optimizer — each step knowing
+nothing of the next. The splits follow the model's data flow, so they wait for one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -180,9 +182,10 @@ class Engine:
         if self._parts is not None:
             return self._parts
         example = None
-        if batch is not None:
-            mine = self._replica_rows(batch)
-            example = split_rows(mine, min(rows(mine), self.plan.micro_batches))[0]
+        if batch is not None:  # the same rows on every rank, so every rank decides the same
+            first = split_rows(batch, self.plan.dp)[0]
+            example = split_rows(first, min(rows(first), self.plan.micro_batches))[0]
+            example = to_device(example, self.mesh.device)
         return self.build(example)
 
     @property

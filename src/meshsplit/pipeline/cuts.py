@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks, sizes_at
+from meshsplit.pipeline.blocks import Piece, find_blocks, has_nested_blocks, sizes_at
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.partition import balance, check_split
 from meshsplit.pipeline.profile import LayerCost, profile_layers
@@ -86,17 +86,14 @@ class Cuts:
         return stage
 
     def local_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Stage `index`'s state under the original model's names: its items' and the common."""
-        mine = {
-            self.prefixes[i] + key
-            for i in self._span(index)
-            for key in self.modules[i].state_dict()
-        }
+        """Stage `index`'s state under the original model's names: every name of a tensor its
+        items hold (an alias of a tied weight too, e.g. T5's `shared`), and the common state."""
+        mine = {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
         common = self._common()
         return {
             key: value
             for key, value in self.model.state_dict(keep_vars=True).items()
-            if key in mine or key in common
+            if id(value) in mine or key in common
         }
 
     def release_other_stages(self, index: int) -> None:

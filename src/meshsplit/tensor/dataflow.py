@@ -227,34 +227,76 @@ def _partial(row: nn.Module, x: torch.Tensor, rank: int, tp: int) -> torch.Tenso
     return F.linear(x, local_shard(weight, 1, 1, rank, tp))
 
 
-def _simulate_rank(trace: _Trace, pair: Pair, rank: int, tp: int) -> torch.Tensor:
-    """The row layer's partial output on simulated rank `rank`."""
+def _column(trace: _Trace, name: str, parts: int, rank: int, tp: int) -> Callable[[], Any]:
+    """Registers a hook making column layer `name` emit only rank `rank`'s block."""
+
+    def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        return local_shard(output, output.dim() - 1, parts, rank, tp)
+
+    return lambda: trace.layers[name].register_forward_hook(hook)
+
+
+@contextmanager
+def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[None]:
+    """`pairs` split as on rank `rank`, each row handing on its whole (all-reduced) output.
+
+    Columns emit their block, the head counts between are divided, and each row's forward
+    is replaced by the clean run's output, as the all-reduce after it would give.
+    """
+
+    register = [_column(trace, n, parts, rank, tp) for p in pairs for n, parts in p.columns.items()]
+    rows = [trace.layers[pair.row] for pair in pairs]
+    for pair, row in zip(pairs, rows, strict=True):
+        row.forward = lambda *_, whole=trace.outputs[pair.row], **__: whole
+    per_rank = tuple(path for pair in pairs for path in pair.per_rank)
+    try:
+        with _hooks(register), divided(trace.model, per_rank, tp):
+            yield
+    finally:
+        for row in rows:
+            del row.forward
+
+
+def _simulate_rank(
+    trace: _Trace, pair: Pair, rank: int, tp: int, accepted: list[Pair]
+) -> torch.Tensor:
+    """The row layer's partial output on simulated rank `rank`, the accepted pairs split too."""
     found: list[torch.Tensor] = []
-
-    def emit_block(parts: int) -> Callable[..., torch.Tensor]:
-        def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            return local_shard(output, output.dim() - 1, parts, rank, tp)
-
-        return hook
 
     def stop(module: nn.Module, args: tuple[Any, ...]) -> None:
         found.append(_partial(module, args[0], rank, tp))
         raise _Stop
 
-    def column(name: str, parts: int) -> Callable[[], Any]:
-        return lambda: trace.layers[name].register_forward_hook(emit_block(parts))
-
-    register = [column(name, parts) for name, parts in pair.columns.items()]
+    register = [_column(trace, name, parts, rank, tp) for name, parts in pair.columns.items()]
     register.append(lambda: trace.layers[pair.row].register_forward_pre_hook(stop))
-    with _hooks(register), divided(trace.model, pair.per_rank, tp), suppress(_Stop):
+    with (
+        _as_rank(trace, accepted, rank, tp),
+        _hooks(register),
+        divided(trace.model, pair.per_rank, tp),
+        suppress(_Stop),
+    ):
         _outputs(trace.model, trace.example)
     if not found:
         raise RuntimeError(f"'{pair.row}' did not run in the simulated forward")
     return found[0]
 
 
+def _leaks(trace: _Trace, pairs: list[Pair], tp: int) -> str:
+    """Why splitting `pairs` together changes the model's output, or '' when it does not.
+
+    With every row handing on its whole output, the output is the clean one unless a split
+    reaches past its pair (a head count read elsewhere, a bias made with local heads).
+    """
+    try:
+        with _as_rank(trace, pairs, 0, tp):
+            changed = not _same(_outputs(trace.model, trace.example), trace.result)
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+    return "it changes values outside the pair" if changed else ""
+
+
 def _check(
-    model: nn.Module, trace: _Trace, row: str, columns: list[str], tp: int
+    model: nn.Module, trace: _Trace, row: str, columns: list[str], tp: int, accepted: list[Pair]
 ) -> Pair | Refusal:
     """The validated pair, or why it is not one."""
     names = (*columns, row)
@@ -273,11 +315,16 @@ def _check(
     bias = getattr(trace.layers[row], "bias", None)
     expected = trace.outputs[row] - (0 if bias is None else bias)
     try:
-        total = torch.stack([_simulate_rank(trace, pair, r, tp) for r in range(tp)]).sum(0)
-        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-6)
+        partials = [_simulate_rank(trace, pair, r, tp, accepted) for r in range(tp)]
+        torch.testing.assert_close(torch.stack(partials).sum(0), expected, rtol=1e-5, atol=1e-6)
     except Exception as error:  # any failure of the simulated split refuses the pair
         why = f"split check failed ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
         return Refusal(names=names, reason=why, replicate=False)
+    leak = _leaks(trace, [*accepted, pair], tp)
+    if leak:
+        return Refusal(
+            names=names, reason=f"split together with the others: {leak}", replicate=False
+        )
     return pair
 
 
@@ -299,7 +346,7 @@ def find_pairs(
                 if taken & {*columns, row}:
                     continue
                 taken.update(columns, [row])
-                checked = _check(model, trace, row, columns, tp)
+                checked = _check(model, trace, row, columns, tp, pairs)
                 if isinstance(checked, Pair):
                     pairs.append(checked)
                 else:
