@@ -156,3 +156,56 @@ def test_dropout_keeps_replicated_parameters_identical_across_tp() -> None:
         assert a.keys() == b.keys() and a
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs between ranks {first} and {second}"
+
+
+class LogitsLoss(nn.Module):
+    """Cross-entropy on a Hugging Face output's logits: the loss takes the model's pytree."""
+
+    def forward(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.logits, targets)
+
+
+def _bert_itself() -> nn.Module:
+    """BERT as it comes: keyword inputs, a ModelOutput out."""
+    return _build("bert").m
+
+
+def _dict_batches() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    mask = torch.ones(BATCH, 8, dtype=torch.long)
+    mask[::2, 6:] = 0  # padding at the end of every other row
+    return [({"input_ids": x, "attention_mask": mask}, y) for x, y in _batches("bert")]
+
+
+def _dict_inputs(shapes: list[tuple[int, int, int]]) -> list[tuple[list[float], Any]]:
+    results = []
+    for dp, pp, tp in shapes:
+        plan = ms.Plan(dp=dp, pp=pp, tp=tp, micro_batches=2 if pp > 1 else 1)
+        engine = ms.parallelize(_bert_itself(), plan, optimizer=_sgd, loss_fn=LogitsLoss())
+        losses = [engine.train_step(x, y) for x, y in _dict_batches()]
+        output = engine.predict(_dict_batches()[0][0])
+        results.append((losses, output.logits))
+        engine.close()
+    return results
+
+
+def test_dict_inputs_and_model_outputs_travel_through_every_axis() -> None:
+    shapes = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+    per_rank = ms.launch(_dict_inputs, 2, args=(shapes,), timeout_s=300)
+    model, loss_fn = _bert_itself(), LogitsLoss()
+    optimizer, want = _sgd(model.parameters()), []
+    for x, y in _dict_batches():
+        optimizer.zero_grad()
+        loss = loss_fn(model(**x), y)
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        logits = model(**_dict_batches()[0][0]).logits
+    for rank, results in enumerate(per_rank):
+        for (losses, output), shape in zip(results, shapes, strict=True):
+            where = f"{shape} rank {rank}"
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(want), rtol=RTOL, atol=ATOL, msg=where
+            )
+            torch.testing.assert_close(output, logits, rtol=RTOL, atol=ATOL, msg=where)

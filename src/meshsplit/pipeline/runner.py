@@ -118,7 +118,9 @@ class PipelineRunner:
         step = self.stage.run(actions, chunks, None, None)
         output = cat_rows(step.outputs) if self.stage.last else None
         group = self.mesh.group("pp")
-        if output is None or isinstance(output, torch.Tensor):
+        kind = [isinstance(output, torch.Tensor)]  # the last stage tells what it made
+        dist.broadcast_object_list(kind, src=self._last_rank, group=group)
+        if kind[0]:
             return broadcast_tensor(output, self._last_rank, group, self.mesh.device)
         box = [pytree.tree_map(_to_cpu, output)]  # a pytree (dict, ModelOutput): by value
         dist.broadcast_object_list(box, src=self._last_rank, group=group)
