@@ -291,3 +291,15 @@ def test_gpt2_tie_survives_the_split() -> None:
 def test_each_block_runs_two_forward_all_reduces(name: str) -> None:
     for rank in _results():
         assert rank[name]["per_block"] == [2, 2, 2, 2]
+
+
+def test_layers_kept_whole_say_why() -> None:
+    """Expert weights and grouped convolutions stay whole, and the decision says so."""
+    for name, example, layer, reason in (
+        ("mixtral", torch.randint(0, 64, (4, 8)), "mlp.experts", "mixture-of-experts weights"),
+        ("convnext", torch.randn(4, 3, 32, 32), "dwconv", "groups="),
+    ):
+        torch.manual_seed(0)
+        decisions = plan_splits(hf_models.MORE[name](), 2, example=example)
+        kept = [d for d in decisions if d.name.endswith(layer)]
+        assert kept and all(d.split == "replicate" and reason in d.reason for d in kept), name
