@@ -30,11 +30,18 @@ PLANS = {
 }
 
 
+SCHEDULES = {
+    (1, 4, 1): {"schedule": "gpipe", "checkpoint": "always"},
+    (2, 2, 1): {"schedule": "1f1b", "checkpoint": "except_last"},
+}
+"""Both schedules and recompute on the block front end; other plans run 1F1B without it."""
+
+
 def _plan(model: str, shape: tuple[int, int, int]) -> ms.Plan:
     dp, pp, tp = shape
     # BatchNorm normalises each micro-batch (GPipe's rule): one micro-batch keeps it exact
     micro = 1 if model == "resnet" or pp == 1 else 2
-    return ms.Plan(dp=dp, pp=pp, tp=tp, micro_batches=micro)
+    return ms.Plan(dp=dp, pp=pp, tp=tp, micro_batches=micro, **SCHEDULES.get(shape, {}))
 
 
 def _loss(model: str) -> nn.Module:
