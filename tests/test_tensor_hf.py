@@ -228,6 +228,11 @@ def _check(name: str, group: dist.ProcessGroup) -> dict[str, Any]:
     }
     if name in ("gpt2", "llama"):
         result["per_block"] = _per_block(model, BLOCKS[name], group, x)
+        logits = model(x)
+        with _all_reduces(group) as counts:
+            logits.float().pow(2).mean().backward()
+        result["backward"] = counts["all_reduce"]
+        model.zero_grad()
     trained = _train(model, x, target)
     grads = {k.removeprefix("grad/"): v for k, v in trained.items() if k.startswith("grad/")}
     result["grads"] = tensor.unshard_state_dict(model, grads, group)
@@ -291,6 +296,14 @@ def test_gpt2_tie_survives_the_split() -> None:
 def test_each_block_runs_two_forward_all_reduces(name: str) -> None:
     for rank in _results():
         assert rank[name]["per_block"] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_backward_runs_one_all_reduce_per_region(name: str) -> None:
+    """Columns reading one tensor (q, k, v; gate, up) share its copy into the region: per
+    block one all-reduce for attention and one for the MLP, plus one for the head's input."""
+    for rank in _results():
+        assert rank[name]["backward"] == 2 * 4 + 1
 
 
 def test_layers_kept_whole_say_why() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
+__all__ = ["InputCopies", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
 
 
 def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -128,3 +128,24 @@ def scatter_to_tp(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.
     X_i = i-th slice of X along `dim`; dL/dX is the concatenation of every rank's dL/dX_i.
     """
     return _ScatterToTP.apply(x, group, dim)
+
+
+class InputCopies:
+    """The copy into the tp region of the tensor the last column layer read, for the next one.
+
+    Column layers that read the same tensor one after another (q, k and v; gate and up) then
+    share one copy: forward is the identity either way, and backward all-reduces their summed
+    input gradient once, Megatron's one all-reduce per region, instead of once per layer.
+    Only the latest copy is kept, so at most one activation outlives its step.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+
+    def copy(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        grad_mode = torch.is_grad_enabled()
+        if self._last is not None and self._last[0] is x and self._last[2] == grad_mode:
+            return self._last[1]
+        fresh = copy_to_tp(x, group)
+        self._last = (x, fresh, grad_mode)
+        return fresh

@@ -39,8 +39,12 @@ __all__ = [
 
 
 def enter_copy(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """Replicated x into `layer`'s split region. forward: identity; backward: all-reduce."""
-    return copy_to_tp(x, layer.group)
+    """Replicated x into `layer`'s split region. forward: identity; backward: all-reduce.
+
+    Layers given one `input_copies` (see `InputCopies`) share the copy of a tensor they all read.
+    """
+    copies = getattr(layer, "input_copies", None)
+    return copies.copy(x, layer.group) if copies is not None else copy_to_tp(x, layer.group)
 
 
 def enter_slice(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -49,6 +49,7 @@ from torch import nn
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import split_heads
+from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from meshsplit.tensor.dataflow import find_pairs, head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
@@ -346,6 +347,7 @@ def parallelize(
     tp = dist.get_world_size(group)
     decisions = plan_splits(model, tp, tp_plan, example=example)
     shards: dict[int, Any] = {}
+    copies = InputCopies()  # columns reading one tensor enter the region through one copy
     for decision in decisions:
         if decision.split == "replicate":
             continue
@@ -356,6 +358,8 @@ def parallelize(
         if decision.tied:
             key = id(original.weight)
             split.weight = shards.setdefault(key, split.weight)
+        if decision.split == "column":
+            split.input_copies = copies  # type: ignore[assignment]
         setattr(parent, child_name, split)
         for path in decision.per_rank:
             owner_name, _, attr = path.rpartition(".")
