@@ -87,6 +87,12 @@ def _engine_details() -> dict[str, Any]:
         "state": engine.full_state_dict(),
     }
     engine.close()
+    recomputing = ms.parallelize(
+        ms.models.mlp((784, 32, 16, 10)), ms.Plan(pp=2, checkpoint="except_last"), example_inputs=x
+    )
+    stage = recomputing.runner.stage  # type: ignore[attr-defined]
+    details["recomputes"] = stage.compute is not stage.program
+    recomputing.close()
     try:
         ms.parallelize(
             nn.Sequential(nn.Linear(8, 2)), ms.Plan(pp=2), example_inputs=torch.ones(2, 8)
@@ -106,6 +112,8 @@ def test_two_stages_match_single_process() -> None:
     expected = model.eval()(ms.data.synthetic_images(16, seed=5)[0][:7]).detach()
     for rank in per_rank:
         torch.testing.assert_close(rank["predicted"], expected)
+    # except_last: the first stage recomputes in backward, the last runs as it is
+    assert [rank["recomputes"] for rank in per_rank] == [True, False]
     # receive buffers come from a pool: nothing new after the first step
     assert first["allocations"][0] == first["allocations"][1] > 0
     assert last["allocations"][0] == last["allocations"][1] > 0

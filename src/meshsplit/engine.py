@@ -23,6 +23,7 @@ from meshsplit import checkpoint, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, convert_batchnorm, describe_batchnorm
 from meshsplit.data_parallel import GradientSync, shard_optimizer
+from meshsplit.memory import recompute
 from meshsplit.memory.report import (
     MemoryReport,
     baseline_bytes,
@@ -159,7 +160,8 @@ class Engine:
             )
         runner: Runner
         if plan.pp > 1:
-            runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs)
+            wrap = recompute.for_stages(plan.checkpoint, plan.pp)
+            runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs, wrap)
         else:
             runner = LocalRunner(model, self.loss_fn, plan.micro_batches)
         params = list(runner.parameters())

@@ -8,6 +8,7 @@ state restored so dropout draws the same mask). Cost: one more forward per micro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +34,16 @@ def recomputes(policy: str, stage: int, stages: int) -> bool:
     return policy == "except_last" and stage < stages - 1
 
 
-def run(fn: Callable[..., Any], *args: Any, recompute: bool) -> Any:
-    """fn(*args), saving only `args` for backward when `recompute` is set."""
-    if not recompute:
-        return fn(*args)
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+Wrap = Callable[[int, Callable[..., Any]], Callable[..., Any]]
+"""(stage, its computation) -> the computation as the policy runs it on that stage."""
+
+
+def for_stages(policy: str, stages: int) -> Wrap:
+    """What the layer split runs on each stage under `policy`: recomputed or as it is."""
+
+    def wrap(stage: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not recomputes(policy, stage, stages):
+            return fn
+        return functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
+
+    return wrap

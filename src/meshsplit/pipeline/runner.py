@@ -12,7 +12,7 @@ gradients summed over those stages (see `tied.py`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +21,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import LossFn, cat_rows, loss_weight, rows, split_rows, to_device
-from meshsplit.memory import recompute
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.pipeline.p2p import Exchange, broadcast_tensor
@@ -44,7 +43,10 @@ class PipelineRunner:
         plan: Plan,
         loss_fn: LossFn,
         example: Any,
+        recompute: Callable[[int, Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
+        """`recompute(stage, computation)` says how each stage runs its part (the memory
+        policy's choice, made above this axis); by default as it is."""
         if example is None:
             raise PlanError(
                 f"Plan.pp={plan.pp} needs one micro-batch to profile the layers before the "
@@ -52,6 +54,7 @@ class PipelineRunner:
             )
         example = to_device(example, mesh.device)
         cuts = find_cuts(model, example, plan, lambda costs: _agreed(costs, mesh.device))
+        program = cuts.program(mesh.rank("pp"))
         self.plan = plan
         self.mesh = mesh
         self.loss_fn = loss_fn
@@ -62,12 +65,12 @@ class PipelineRunner:
             index=self.index,
             stages=plan.pp,
             module=cuts.stage_module(self.index),
-            program=cuts.program(self.index),
+            program=program,
             output=cuts.output,
             routes=cuts.routes[self.index],
             peers=[mesh.global_rank(pp=k) for k in range(plan.pp)],
             exchange=Exchange(mesh.device),
-            recompute=recompute.recomputes(plan.checkpoint, self.index, plan.pp),
+            compute=recompute(self.index, program) if recompute else None,
         )
         self.module: nn.Module = self.stage.module
         self.tied = TiedGradients(cuts.shared_parameters(), mesh)

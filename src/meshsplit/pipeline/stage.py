@@ -20,7 +20,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import tensors
-from meshsplit.memory import recompute
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
 from meshsplit.pipeline.schedules import Action
@@ -138,7 +137,7 @@ class Stage:
         routes: Routes,
         peers: Sequence[int],
         exchange: Exchange,
-        recompute: bool,
+        compute: Callable[..., tuple[Any, ...]] | None = None,
     ) -> None:
         self.index = index
         self.last = index == stages - 1
@@ -149,7 +148,8 @@ class Stage:
         self.routes = routes
         self.peers = list(peers)
         self.exchange = exchange
-        self.recompute = recompute
+        self.compute = compute or program
+        """How the program runs: as it is, or recomputed in backward (the memory policy)."""
 
     def run(
         self,
@@ -189,7 +189,7 @@ class Stage:
         messages = self.exchange.receive([self.peers[src] for src, _ in self.routes.receives], key)
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
-        made = recompute.run(self.program, x, *flat, recompute=self.recompute)
+        made = self.compute(x, *flat)
         values = dict(zip(self.program.made, made, strict=True))
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
         sending = self.exchange.send(
