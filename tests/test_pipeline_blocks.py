@@ -123,3 +123,17 @@ class CallsTwice(nn.Module):
 def test_a_piece_called_twice_is_refused() -> None:
     with pytest.raises(ms.PlanError, match="'blocks.0' is called 2 times"):
         find_blocks(CallsTwice(), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_stages_take_batches_of_other_shapes_than_the_example(name: str) -> None:
+    """Placeholders keep the example's shapes, yet what crosses comes from the real stage."""
+    torch.manual_seed(0)
+    model = FACTORIES[name]().eval()
+    blocks = find_blocks(model, _example(name))
+    spine = Spine(model, blocks.pieces)
+    other = torch.randint(0, 64, (3, 5))  # 3 rows of 5 tokens instead of 4 of 8
+    with torch.no_grad():
+        received = spine.run(0, 3, other, [])
+        got = spine.run(3, len(blocks.pieces), other, list(received))[0]
+        torch.testing.assert_close(got, model(other))
