@@ -12,6 +12,7 @@ from torch import nn
 
 import meshsplit as ms
 from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks, sizes_at
+from meshsplit.pipeline.cuts import find_cuts
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
 
 transformers = pytest.importorskip("transformers")
@@ -137,3 +138,29 @@ def test_stages_take_batches_of_other_shapes_than_the_example(name: str) -> None
         received = spine.run(0, 3, other, [])
         got = spine.run(3, len(blocks.pieces), other, list(received))[0]
         torch.testing.assert_close(got, model(other))
+
+
+def test_only_cuts_that_keep_the_output_are_taken() -> None:
+    """Before the head is the one place: the head is called with x + e, made before the cut."""
+    torch.manual_seed(0)
+    cuts = find_cuts(ReusesEmbedding(), torch.randint(0, 16, (4, 5)), ms.Plan(pp=2), agree=list)
+    assert cuts.source.startswith("blocks") and cuts.sizes == (4, 1)
+
+
+class AddsEmbeddingAfterTheHead(ReusesEmbedding):
+    """No cut keeps the output: the embeddings are read after every piece."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self.emb(ids)
+        x = e
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x) + e.sum(-1, keepdim=True)
+
+
+def test_a_model_whose_blocks_cannot_be_cut_falls_back_to_the_traced_front_end() -> None:
+    """fx sends the embeddings straight to the stage that reads them."""
+    torch.manual_seed(0)
+    model = AddsEmbeddingAfterTheHead()
+    cuts = find_cuts(model, torch.randint(0, 16, (4, 5)), ms.Plan(pp=2), agree=list)
+    assert cuts.source == "fx" and cuts.names == ("emb", "blocks", "head")

@@ -43,8 +43,6 @@ class Cuts:
     model: nn.Module
     names: tuple[str, ...]
     modules: tuple[nn.Module, ...]
-    prefixes: tuple[str, ...]
-    """Per item, what turns its module's state-dict keys into the original model's keys."""
     costs: tuple[LayerCost, ...]
     sizes: tuple[int, ...]
     routes: tuple[Routes, ...]
@@ -62,6 +60,10 @@ class Cuts:
 
     def program(self, index: int) -> Program:
         return self.programs(index)
+
+    def _held(self, index: int) -> set[int]:
+        """ids of the tensors stage `index`'s items hold."""
+        return {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
 
     def _common(self) -> dict[str, torch.Tensor]:
         """State no item holds: the code between pieces reads it (a learned position table on
@@ -88,8 +90,7 @@ class Cuts:
     def local_state(self, index: int) -> dict[str, torch.Tensor]:
         """Stage `index`'s state under the original model's names: every name of a tensor its
         items hold (an alias of a tied weight too, e.g. T5's `shared`), and the common state."""
-        mine = {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
-        common = self._common()
+        mine, common = self._held(index), self._common()
         return {
             key: value
             for key, value in self.model.state_dict(keep_vars=True).items()
@@ -98,7 +99,7 @@ class Cuts:
 
     def release_other_stages(self, index: int) -> None:
         """Free the weights of other stages' items, so each rank holds only its share."""
-        mine = {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
+        mine = self._held(index)
         everyone = {id(t) for module in self.modules for t in _tensors(module)}
         with torch.no_grad():
             for tensor in _tensors(self.model):
@@ -171,7 +172,6 @@ def _from_graph(
         model=model,
         names=tuple(x.name for x in graph.layers),
         modules=tuple(x.module for x in graph.layers),
-        prefixes=tuple(x.prefix for x in graph.layers),
         costs=tuple(costs),
         sizes=sizes,
         routes=tuple(routes),
@@ -226,7 +226,6 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
         model=model,
         names=tuple(x.name for x in pieces),
         modules=tuple(x.module for x in pieces),
-        prefixes=tuple(f"{x.name}." for x in pieces),
         costs=tuple(costs),
         sizes=sizes,
         routes=tuple(routes),
