@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import meshsplit as ms
+
+from rounds import take_turns
 
 WIDTHS = (784, 1536, 256, 1024, 768, 512, 1024, 256, 10)
 """Uneven widths: the layers' costs differ by up to ~6x, so a split by layer count is unbalanced."""
@@ -80,16 +81,6 @@ def _single(x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _seconds_per_step(step: Callable[[], Any], steps: int) -> float:
-    step()  # warm-up (first shapes, buffers)
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return (time.perf_counter() - started) / steps
-
-
 def _worker(batch: int, micro: int, steps: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     x, y = ms.data.synthetic_images(batch, seed=0)
@@ -109,11 +100,7 @@ def _worker(batch: int, micro: int, steps: int, rounds: int) -> dict[str, Any]:
     for name in SCHEDULES:
         runs[f"meshsplit {name}"] = lambda engine=ours[name]: engine.train_step(x, y)
         runs[f"torch {name}"] = lambda step=theirs[name]: step(x, y)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for index in range(rounds):
-        order = list(runs) if index % 2 == 0 else list(reversed(runs))  # A B B A
-        for name in order:
-            times[name].append(_seconds_per_step(runs[name], steps))
+    times = take_turns(runs, rounds, steps)
     description = ours["gpipe"].describe()
     for engine in ours.values():
         engine.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,8 @@ from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 import meshsplit as ms
+
+from rounds import take_turns
 
 STAGES = 2
 CUT = "m.model.layers.4"
@@ -80,16 +81,6 @@ def _theirs(x: torch.Tensor, micro: int) -> Callable[..., None]:
     return step
 
 
-def _seconds_per_step(step: Callable[[], Any], steps: int) -> float:
-    step()  # warm-up (first shapes, buffers)
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return (time.perf_counter() - started) / steps
-
-
 def _worker(batch: int, micro: int, steps: int, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     x, y = ms.data.synthetic_tokens(batch, seq_len=SEQ, vocab_size=VOCAB, seed=0)
@@ -105,11 +96,7 @@ def _worker(batch: int, micro: int, steps: int, rounds: int) -> dict[str, Any]:
         runs["torch"] = lambda: theirs(x, y)
     except Exception as error:  # torch.export or the split failed: say so, measure ours
         refused = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for index in range(rounds):
-        order = list(runs) if index % 2 == 0 else list(reversed(runs))  # A B B A
-        for name in order:
-            times[name].append(_seconds_per_step(runs[name], steps))
+    times = take_turns(runs, rounds, steps)
     stages = [s["layers"] for s in ours.describe()["stages"]]
     ours.close()
     return {"times": times, "refused": refused, "stages": stages}

@@ -19,7 +19,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import hf_models  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -30,6 +29,8 @@ from meshsplit import tensor  # noqa: E402
 from meshsplit.mesh import Mesh  # noqa: E402
 from meshsplit.tensor import plan_splits  # noqa: E402
 from meshsplit.tensor.shards import local_shard, shard_layouts  # noqa: E402
+
+import hf_models  # noqa: E402
 
 TP = 2
 STEPS = 3

@@ -1,0 +1,36 @@
+"""Timing shared by the multi-process benchmarks: runs take turns in rounds, A B B A.
+
+Alternating the order round by round spreads a slow moment of a shared machine over every
+run instead of one; each run's time is then its median round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+
+def seconds_per_step(step: Callable[[], Any], steps: int) -> float:
+    """Mean seconds of `steps` steps after one warm-up step, between barriers on all ranks."""
+    step()  # warm-up (first shapes, buffers)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - started) / steps
+
+
+def take_turns(
+    runs: dict[str, Callable[[], Any]], rounds: int, steps: int
+) -> dict[str, list[float]]:
+    """Seconds per step of every run in every round, the order reversed each other round."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for index in range(rounds):
+        order = list(runs) if index % 2 == 0 else list(reversed(runs))
+        for name in order:
+            times[name].append(seconds_per_step(runs[name], steps))
+    return times
