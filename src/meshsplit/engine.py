@@ -262,9 +262,7 @@ class Engine:
         for start in range(0, count, batch_size):
             x = take_rows(inputs, slice(start, start + batch_size))
             y = take_rows(targets, slice(start, start + batch_size))
-            output = pytree.tree_map(
-                lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, self.predict(x)
-            )
+            output = to_device(self.predict(x), torch.device("cpu"))
             total_loss += float(self.loss_fn(output, y)) * rows(y)
             if isinstance(output, torch.Tensor) and isinstance(y, torch.Tensor):
                 correct += int((output.argmax(-1) == y).sum())

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import LossFn, cat_rows, loss_weight, rows, split_rows, to_device
@@ -125,7 +124,7 @@ class PipelineRunner:
         dist.broadcast_object_list(kind, src=self._last_rank, group=group)
         if kind[0]:
             return broadcast_tensor(output, self._last_rank, group, self.mesh.device)
-        box = [pytree.tree_map(_to_cpu, output)]  # a pytree (dict, ModelOutput): by value
+        box = [to_device(output, torch.device("cpu"))]  # a pytree (dict, ModelOutput): by value
         dist.broadcast_object_list(box, src=self._last_rank, group=group)
         return to_device(box[0], self.mesh.device)
 
@@ -143,10 +142,6 @@ class PipelineRunner:
     def buffer_allocations(self) -> int:
         """Receive buffers this stage ever allocated (flat once the pool is warm)."""
         return self.stage.exchange.pool.allocations
-
-
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _agreed(costs: list[LayerCost], device: torch.device) -> list[LayerCost]:
