@@ -5,16 +5,20 @@ from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.memory.report import MemoryReport
+from meshsplit.memory.tracker import MemoryBudgetError
 from meshsplit.plan import Plan, PlanError
+from meshsplit.simulate import estimate_memory
 
 __all__ = [
     "CheckpointError",
     "Engine",
+    "MemoryBudgetError",
     "MemoryReport",
     "Plan",
     "PlanError",
     "WorkerError",
     "data",
+    "estimate_memory",
     "launch",
     "load_full_state_dict",
     "models",

@@ -9,7 +9,8 @@ micro-batch.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, tensor, training
+from meshsplit import checkpoint, phases, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, convert_batchnorm, describe_batchnorm
 from meshsplit.data_parallel import GradientSync, shard_optimizer
@@ -28,11 +29,14 @@ from meshsplit.memory.report import (
     MemoryReport,
     baseline_bytes,
     optimizer_bytes,
+    optimizer_tensors,
     peak_bytes,
     reset_peak,
     tensor_bytes,
 )
+from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
 from meshsplit.mesh import Mesh
+from meshsplit.phases import phase
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
 from meshsplit.runner import LocalRunner, Runner
@@ -136,6 +140,15 @@ class Engine:
         """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
         self._pending_load: Path | None = None
+        self.track_memory = True
+        """Count live tensor bytes in every train_step on CPU (memory_report's
+        tensor_peak_bytes); a step runs a few percent slower under the tracker."""
+        self.enforce_budget = True
+        """Raise MemoryBudgetError when a step goes past Plan.memory_budget (off: only count)."""
+        self.tensor_peak: Peak | None = None
+        """The last tracked step's peak of live tensor bytes, its phase and its breakdown."""
+        self.memory_timeline: list[Sample] | None = None
+        """Set to a list to receive the next tracked step's live bytes after every event."""
 
     @property
     def needs_example(self) -> bool:
@@ -179,6 +192,10 @@ class Engine:
             checkpoint.load(self, path)
         return self._parts
 
+    def prepare(self, inputs: Any) -> None:
+        """Split the model now for global batches like `inputs`, as the first train_step would."""
+        self._built(inputs)
+
     def _built(self, batch: Any = None) -> _Parts:
         """The split model, built now from one micro-batch of `batch` if not built yet."""
         if self._parts is not None:
@@ -219,18 +236,55 @@ class Engine:
             raise ValueError(f"inputs have {global_rows} rows but targets have {rows(targets)}")
         parts = self._built(inputs)
         parts.runner.train(True)
-        parts.sync.begin_step(parts.runner.backward_passes())
-        loss = parts.runner.train_batch(
-            self._replica_rows(inputs), self._replica_rows(targets), global_rows
-        )
-        parts.sync.finish()
-        parts.runner.finish_gradients()
-        commit_batchnorm(parts.runner.module)
-        parts.optimizer.step()
-        parts.sync.zero_grad()
+        x, y = self._replica_rows(inputs), self._replica_rows(targets)
+        with self._watch_memory(parts):
+            parts.sync.begin_step(parts.runner.backward_passes())
+            loss = parts.runner.train_batch(x, y, global_rows)
+            with phase("gradient sync"):
+                parts.sync.finish()
+                parts.runner.finish_gradients()
+                commit_batchnorm(parts.runner.module)
+            with phase("optimizer step"):
+                parts.optimizer.step()
+                parts.sync.zero_grad()
         self.steps += 1
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
+
+    @contextmanager
+    def _watch_memory(self, parts: _Parts) -> Iterator[None]:
+        """Count this step's live tensor bytes (and hold it to the budget): the allocator's
+        peak on GPU, the dispatch-level tracker on CPU when `track_memory` is on."""
+        where = f"rank {dist.get_rank()}, step {self.steps + 1}"
+        if self.mesh.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.mesh.device)
+            try:
+                yield
+            except torch.OutOfMemoryError as error:
+                if self.plan.budget_bytes is None:
+                    raise
+                raise MemoryBudgetError(
+                    f"{where}: {phases.current()} went past Plan.memory_budget="
+                    f"{self.plan.memory_budget}: {error}"
+                ) from error
+            self.tensor_peak = Peak(bytes=int(torch.cuda.max_memory_allocated(self.mesh.device)))
+            return
+        budget = self.plan.budget_bytes if self.enforce_budget else None
+        if not (self.track_memory or budget is not None):
+            yield
+            return
+        tracker = LiveTensors(
+            self.mesh.device,
+            _holders(parts),
+            budget=budget,
+            where=where,
+            timeline=self.memory_timeline is not None,
+        )
+        with tracker:
+            yield
+        self.tensor_peak = tracker.peak
+        if self.memory_timeline is not None:
+            self.memory_timeline[:] = tracker.samples or []
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -343,9 +397,13 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""
+        peak = self.tensor_peak
         return MemoryReport(
             rank=dist.get_rank(),
             peak_bytes=peak_bytes(self.mesh.device),
+            tensor_peak_bytes=peak.bytes if peak is not None else None,
+            tensor_peak_phase=peak.phase if peak is not None else None,
+            tensor_breakdown=dict(peak.breakdown) if peak is not None else None,
             baseline_bytes=self.baseline_bytes,
             parameter_bytes=tensor_bytes(self.runner.parameters()),
             gradient_bytes=self.sync.gradient_bytes(),
@@ -381,6 +439,16 @@ class _Unsplit:
 
     def shard_layouts(self) -> dict[str, tuple[int, int]]:
         return {}
+
+
+def _holders(parts: _Parts) -> Holders:
+    """What holds each category's tensors on this rank, for the tracker."""
+    return {
+        "parameters": lambda: parts.runner.local_state_dict().values(),
+        "gradients": lambda: (bucket.flat for bucket in parts.sync.buckets),
+        "optimizer": lambda: optimizer_tensors(parts.optimizer),
+        "buffers": parts.runner.communication_buffers,
+    }
 
 
 @dataclass

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Plan", "PlanError"]
 
 SCHEDULES = ("1f1b", "gpipe")
-CHECKPOINT_POLICIES = ("never", "except_last", "always")
+CHECKPOINT_POLICIES = ("never", "except_last", "always", "auto")
+UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
 
 
 class PlanError(ValueError):
@@ -40,13 +52,18 @@ class Plan:
     """Module paths where a pipeline stage begins, e.g. ('m.model.layers.2',) for pp=2; as
     torch.distributed.pipelining's split_spec, overriding the profile-balanced split."""
     checkpoint: str = "never"
-    """Activation recomputation inside stages: 'never', 'except_last' or 'always'."""
+    """Activation recomputation: 'never', 'except_last' (every stage but the last), 'always'
+    (every stage, or every block when pp == 1) or 'auto' (the blocks that make the plan fit
+    memory_budget with the least added time; nothing without a budget)."""
     tp_plan: Mapping[str, str] | None = field(default=None, hash=False)
     """Per-module operator split overriding the automatic rule, e.g. {'fc1': 'column'}."""
     zero: bool = False
     """Shard optimizer state over dp (ZeRO stage 1)."""
     bucket_mb: float = 8.0
     """Size of the gradient all-reduce buckets over dp, in MiB (smaller: more overlap)."""
+    memory_budget: str | int | None = None
+    """Live tensor bytes each rank may hold, e.g. '2GiB', '512MB' or an int of bytes: checked
+    against the estimate before the first step and enforced while training."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches"):
@@ -83,8 +100,17 @@ class Plan:
                     "module paths where a stage begins, without Plan.stages; e.g. "
                     "split_points=('model.layers.2',) for pp=2"
                 )
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget, "Plan.memory_budget")
         if self.bucket_mb <= 0:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """memory_budget in bytes (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        return parse_bytes(self.memory_budget, "Plan.memory_budget")
 
     @property
     def world_size(self) -> int:
@@ -135,4 +161,27 @@ class Plan:
             "checkpoint": self.checkpoint,
             "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
             "zero": self.zero,
+            "memory_budget": self.memory_budget,
         }
+
+
+def parse_bytes(value: str | int, field_name: str) -> int:
+    """'2GiB', '1.5 GB', '512MiB' or an int -> bytes; anything else is a PlanError."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), "B"
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if match is None:
+            raise PlanError(f"{field_name}={value!r} is not a size; write e.g. '2GiB' or '512MB'")
+        number, unit = float(match.group(1)), match.group(2) or "B"
+    else:
+        raise PlanError(f"{field_name}={value!r} is not a size; write e.g. '2GiB' or '512MB'")
+    if unit not in UNITS:
+        raise PlanError(
+            f"{field_name}={value!r} has the unknown unit {unit!r}; use one of "
+            f"{', '.join(UNITS)}, e.g. '2GiB'"
+        )
+    size = int(number * UNITS[unit])
+    if size <= 0:
+        raise PlanError(f"{field_name}={value!r} must be positive; e.g. '2GiB'")
+    return size

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, loss_weight, rows, split_rows, tensors
+from meshsplit.phases import phase
 
 __all__: list[str] = []
 
@@ -54,6 +55,10 @@ class Runner(Protocol):
         """This process's parameters, each with its name in the original model."""
         ...
 
+    def communication_buffers(self) -> list[torch.Tensor]:
+        """Buffers this runner keeps for traffic with other ranks (pipeline receive pools)."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """Where the model runs: {'stages': [{'stage', 'layers', 'parameters', ...}], ...}."""
         ...
@@ -86,10 +91,12 @@ class LocalRunner:
             split_rows(targets, self.micro_batches),
             strict=True,
         )
-        for x, y in pieces:
-            output = call_model(self.module, x)
-            loss = self.loss_fn(output, y) * loss_weight(self.loss_fn, rows(x), global_rows)
-            loss.backward()
+        for micro, (x, y) in enumerate(pieces):
+            with phase(f"forward, micro-batch {micro}"):
+                output = call_model(self.module, x)
+                loss = self.loss_fn(output, y) * loss_weight(self.loss_fn, rows(x), global_rows)
+            with phase(f"backward, micro-batch {micro}"):
+                loss.backward()
             total += loss.detach()
         return total
 
@@ -101,6 +108,9 @@ class LocalRunner:
 
     def named_parameters(self) -> dict[torch.Tensor, str]:
         return {p: name for name, p in self.module.named_parameters()}
+
+    def communication_buffers(self) -> list[torch.Tensor]:
+        return []
 
     def describe(self) -> dict[str, Any]:
         return {

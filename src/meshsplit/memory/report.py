@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -27,8 +28,15 @@ class MemoryReport:
     gradient_bytes: int
     optimizer_bytes: int
     device: str
+    tensor_peak_bytes: int | None = None
+    """Peak of live tensor bytes during the last train_step (CPU: counted at the dispatcher;
+    GPU: the allocator's peak allocated); None before a tracked step."""
+    tensor_peak_phase: str | None = None
+    """Where that peak fell, e.g. 'backward, micro-batch 3' (CPU only)."""
+    tensor_breakdown: dict[str, int] | None = None
+    """The live bytes at that peak by category (see memory/tracker.py; CPU only)."""
 
-    def as_dict(self) -> dict[str, int | str]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -41,13 +49,16 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
     Under ZeRO the state lives in the inner optimizer, which holds this rank's shard only.
     """
+    return tensor_bytes(optimizer_tensors(optimizer))
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor of this rank's optimizer state (the inner optimizer's under ZeRO)."""
     local = getattr(optimizer, "optim", optimizer)
-    return tensor_bytes(
-        value
-        for state in local.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
+    for state in local.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
 
 
 def _proc_status_bytes(field: str) -> int | None:

@@ -78,6 +78,8 @@ class BufferPool:
         self.allocations = 0
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._storages: set[int] = set()
+        self.buffers: list[torch.Tensor] = []
+        """Every buffer the pool created, lent or free (for memory accounting)."""
 
     def take(self, meta: TensorMeta) -> torch.Tensor:
         free = self._free.get((meta.shape, meta.dtype))
@@ -86,6 +88,7 @@ class BufferPool:
         self.allocations += 1
         buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         self._storages.add(buffer.untyped_storage().data_ptr())
+        self.buffers.append(buffer)
         return buffer
 
     def give(self, buffer: torch.Tensor) -> None:
@@ -123,8 +126,13 @@ class Exchange:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = BufferPool(device)
-        self._told: set[tuple[int, Hashable]] = set()
+        self.told: dict[tuple[int, Hashable], list[TensorMeta]] = {}
+        """(peer, key) -> the header sent to that peer under that key."""
         self._heard: dict[tuple[int, Hashable], list[TensorMeta]] = {}
+
+    def learn(self, peer: int, key: Hashable, metas: list[TensorMeta]) -> None:
+        """Take the header `peer` sends under `key` as heard (a simulated run has no peer)."""
+        self._heard[(peer, key)] = metas
 
     def send(self, messages: list[tuple[int, list[torch.Tensor]]], key: Hashable | None) -> Sending:
         """Start sending each (peer, tensors), with a header the first time for `key`.
@@ -135,12 +143,13 @@ class Exchange:
         """
         ops, keep = [], []
         for peer, tensors in messages:
-            if key is not None and (peer, key) not in self._told:
-                header = encode([TensorMeta.of(t) for t in tensors]).to(self.device)
+            if key is not None and (peer, key) not in self.told:
+                metas = [TensorMeta.of(t) for t in tensors]
+                header = encode(metas).to(self.device)
                 length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
                 ops += [dist.P2POp(dist.isend, length, peer), dist.P2POp(dist.isend, header, peer)]
                 keep += [length, header]
-                self._told.add((peer, key))
+                self.told[(peer, key)] = metas
             for tensor in tensors:
                 data = tensor.detach()
                 data = data.clone() if self.pool.owns(data) else data.contiguous()

@@ -138,6 +138,10 @@ class PipelineRunner:
     def describe(self) -> dict[str, Any]:
         return self._description
 
+    def communication_buffers(self) -> list[torch.Tensor]:
+        """The receive buffers of this stage's pool."""
+        return self.stage.exchange.pool.buffers
+
     @property
     def buffer_allocations(self) -> int:
         """Receive buffers this stage ever allocated (flat once the pool is warm)."""

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import tensors
+from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
 from meshsplit.pipeline.schedules import Action
@@ -163,9 +164,11 @@ class Stage:
         for action in actions:
             if action.kind == "F":
                 target = targets[action.micro] if targets is not None else None
-                self._forward(step, action.micro, inputs[action.micro], target, loss_of)
+                with phase(f"forward, micro-batch {action.micro}"):
+                    self._forward(step, action.micro, inputs[action.micro], target, loss_of)
             else:
-                self._backward(step, action.micro)
+                with phase(f"backward, micro-batch {action.micro}"):
+                    self._backward(step, action.micro)
         # on an error the sends are left unfinished on purpose: waiting for a peer that may
         # never receive would turn a failure into a hang; the job ends instead
         for sending in step.sending:

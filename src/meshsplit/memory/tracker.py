@@ -1,0 +1,218 @@
+"""Live tensor bytes on one device, by category, counted at the dispatcher as ops allocate.
+
+`torch.distributed._tools.MemTracker` has the idea (follow each storage from the op that
+creates it until its last reference dies) but attributes memory through module hooks, which
+clash with `autograd.grad` and with our stages' own hooks. This tracker needs none: a
+`TorchDispatchMode` sees every storage an op creates, a weak reference hears when it is
+freed, and what a byte is for comes from what holds it — parameters and module buffers, the
+gradient buckets, optimizer state, pipeline receive buffers (`holders`), tensors autograd
+saves for backward (a saved-tensors hook), and everything else is a temporary. The peak is
+labelled with the step phase it falls in (see `phases.py`), and a budget is checked at the
+end of every phase.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshsplit import phases
+
+__all__ = ["MemoryBudgetError"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
+"""Where a byte goes. parameters: parameters and module buffers (the model's state);
+buffers: communication buffers (gradient buckets are gradients); temporaries: the rest."""
+
+_RANK = {name: i for i, name in enumerate(CATEGORIES)}
+"""A storage held for two reasons counts once, under the earlier category (a weight autograd
+saves for backward is a parameter)."""
+
+Holders = dict[str, Callable[[], Iterable[torch.Tensor]]]
+"""category -> the tensors that category holds now (re-read at every phase end)."""
+
+
+class MemoryBudgetError(RuntimeError):
+    """A rank's live tensor bytes went past Plan.memory_budget during a step."""
+
+
+@dataclass
+class Sample:
+    """Live bytes per category after one allocation or free (for pictures of a step)."""
+
+    event: int
+    phase: str
+    bytes_by_category: tuple[int, ...]
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+    phase: str = "idle"
+    breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+
+
+class _Storage:
+    __slots__ = ("category", "nbytes", "ref")
+
+    def __init__(self, nbytes: int, category: str, ref: weakref.ref[Any]) -> None:
+        self.nbytes, self.category, self.ref = nbytes, category, ref
+
+
+class LiveTensors(TorchDispatchMode):
+    """Count live tensor storages on `device` while active (use as a context manager).
+
+    Tensors that exist on entry are counted if a holder names them; `budget` (bytes) raises
+    MemoryBudgetError at the end of the first phase whose peak exceeded it.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        holders: Holders,
+        *,
+        budget: int | None = None,
+        where: str = "",
+        timeline: bool = False,
+    ) -> None:
+        super().__init__()
+        self.device = device
+        self.holders = holders
+        self.budget = budget
+        self.where = where
+        """Who this is, for messages (e.g. 'rank 3, step 2')."""
+        self.peak = Peak()
+        self.samples: list[Sample] | None = [] if timeline else None
+        self._live: dict[int, _Storage] = {}
+        self._totals = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._events = 0
+        self._phase_peak = 0
+        self._phase_peak_breakdown: dict[str, int] = {}
+        self._contexts: list[Any] = []
+
+    # -- entering and leaving ---------------------------------------------------------
+
+    def __enter__(self) -> LiveTensors:
+        self._classify_holders()
+        self._phase_peak = self._total
+        self._note_peak()
+        saved = saved_tensors_hooks(self._pack, _unpack)
+        listening = phases.listening(self._phase_ended)
+        saved.__enter__()
+        listening.__enter__()
+        self._contexts = [listening, saved]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for context in self._contexts:
+            context.__exit__(*exc)
+        self._contexts = []
+
+    @property
+    def live_bytes(self) -> int:
+        return self._total
+
+    def breakdown(self) -> dict[str, int]:
+        return dict(self._totals)
+
+    # -- counting -----------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in pytree.tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self._see(value, "temporaries")
+        return out
+
+    def _see(self, tensor: torch.Tensor, category: str) -> None:
+        if tensor.device != self.device or tensor.is_meta or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        known = self._live.get(key)
+        if known is not None and known.ref() is storage:
+            if _RANK[category] < _RANK[known.category]:
+                self._move(known, category)
+            return
+        nbytes = storage.nbytes()
+        ref = weakref.ref(storage, lambda _, key=key: self._freed(key))
+        self._live[key] = _Storage(nbytes, category, ref)
+        self._totals[category] += nbytes
+        self._total += nbytes
+        self._note_peak()
+
+    def _move(self, storage: _Storage, category: str) -> None:
+        self._totals[storage.category] -= storage.nbytes
+        self._totals[category] += storage.nbytes
+        storage.category = category
+
+    def _freed(self, key: int) -> None:
+        storage = self._live.pop(key, None)
+        if storage is not None:
+            self._totals[storage.category] -= storage.nbytes
+            self._total -= storage.nbytes
+            self._sample()
+
+    def _note_peak(self) -> None:
+        self._sample()
+        if self._total > self._phase_peak:
+            self._phase_peak = self._total
+            self._phase_peak_breakdown = dict(self._totals)
+        if self._total > self.peak.bytes:
+            self.peak = Peak(
+                bytes=self._total, phase=phases.current(), breakdown=dict(self._totals)
+            )
+
+    def _sample(self) -> None:
+        self._events += 1
+        if self.samples is not None:
+            totals = tuple(self._totals[c] for c in CATEGORIES)
+            self.samples.append(Sample(self._events, phases.current(), totals))
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._see(tensor, "activations")
+        return tensor
+
+    def _classify_holders(self) -> None:
+        for category, tensors in self.holders.items():
+            for tensor in tensors():
+                self._see(tensor, category)
+
+    def _phase_ended(self, name: str) -> None:
+        self._classify_holders()
+        if self.budget is not None and self._phase_peak > self.budget:
+            raise MemoryBudgetError(
+                f"{self.where}: {name} held {format_bytes(self._phase_peak)} of live tensors, "
+                f"over Plan.memory_budget={format_bytes(self.budget)} "
+                f"({describe_breakdown(self._phase_peak_breakdown)}); see "
+                "ms.estimate_memory for a plan that fits, e.g. checkpoint='auto'"
+            )
+        self._phase_peak = self._total
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe_breakdown(breakdown: dict[str, int]) -> str:
+    """'parameters 1.2 MiB, activations 3.4 MiB, ...' for the categories that hold anything."""
+    return ", ".join(f"{c} {format_bytes(n)}" for c, n in breakdown.items() if n)

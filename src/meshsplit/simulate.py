@@ -1,0 +1,159 @@
+"""`estimate_memory`: every rank's memory under a plan, in one process, before any launch.
+
+Each distinct rank (one per pipeline stage and operator-split index; data-parallel replicas
+hold the same) runs two real train_steps of its own part of the model in this process,
+joined to a fake process group in which every collective returns at once, and the
+live-tensor tracker counts what it holds; the second (steady) step is the estimate. The
+rank runs exactly the code a worker runs — split, buckets, receive pools, schedule,
+recompute — so what is measured is what a worker will hold, up to the values in the
+buffers, which are not computed. A later stage learns the shapes an earlier stage sends from
+that stage's own run, so stages are run first to last.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit.batch import LossFn, rows
+from meshsplit.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.memory.estimate import MemoryEstimate, RankEstimate, find_fix
+from meshsplit.pipeline.p2p import TensorMeta
+from meshsplit.pipeline.runner import PipelineRunner
+from meshsplit.plan import Plan
+
+__all__ = ["estimate_memory"]
+
+Headers = dict[int, dict[tuple[int, Any], list[TensorMeta]]]
+"""receiving rank -> {(sending rank, key): what that rank sends under that key}."""
+
+
+def estimate_memory(
+    model: nn.Module,
+    plan: Plan,
+    batch: tuple[Any, Any],
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    timeline: bool = False,
+) -> MemoryEstimate:
+    """Predict each rank's peak live tensor bytes for one train_step of `plan` on `batch`
+    (the global (inputs, targets)), in this process; `model` is left as it was.
+
+    With Plan.memory_budget set and a rank over it, the estimate also names the cheapest
+    nearby plan that fits (`fix`); `estimate.check()` raises the PlanError.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "estimate_memory simulates every rank in one process, before workers start: "
+            "call it outside ms.launch (or before init_process_group)"
+        )
+    inputs, targets = batch
+    plan.check_batch(rows(inputs))
+    estimate = _estimate(model, plan, inputs, targets, optimizer, loss_fn, timeline)
+    if estimate.fits:
+        return estimate
+    fix = find_fix(
+        plan,
+        rows(inputs),
+        lambda candidate: _estimate(model, candidate, inputs, targets, optimizer, loss_fn, False),
+    )
+    return replace(estimate, fix=fix)
+
+
+def _estimate(
+    model: nn.Module,
+    plan: Plan,
+    inputs: Any,
+    targets: Any,
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    timeline: bool,
+) -> MemoryEstimate:
+    rng = torch.get_rng_state()
+    measured: dict[tuple[int, int], RankEstimate] = {}
+    try:
+        for tp in range(plan.tp):
+            headers: Headers = {}
+            for pp in range(plan.pp):
+                rank = pp * plan.tp + tp
+                engine = _simulate(
+                    model, plan, rank, inputs, targets, optimizer, loss_fn, headers, timeline
+                )
+                if isinstance(engine.runner, PipelineRunner) and plan.stages is None:
+                    plan = replace(plan, stages=engine.runner.sizes, split_points=None)
+                measured[(pp, tp)] = _rank_estimate(engine, rank, pp, tp)
+    finally:
+        torch.set_rng_state(rng)
+    ranks = [
+        replace(measured[(pp, tp)], rank=rank, coordinates={"dp": dp, "pp": pp, "tp": tp})
+        for rank, (dp, pp, tp) in enumerate(_coordinates(plan))
+    ]
+    return MemoryEstimate(plan=plan, ranks=ranks)
+
+
+def _coordinates(plan: Plan) -> Iterable[tuple[int, int, int]]:
+    """(dp, pp, tp) of every global rank, in rank order (the mesh is dp-major)."""
+    for dp in range(plan.dp):
+        for pp in range(plan.pp):
+            for tp in range(plan.tp):
+                yield dp, pp, tp
+
+
+def _simulate(
+    model: nn.Module,
+    plan: Plan,
+    rank: int,
+    inputs: Any,
+    targets: Any,
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    headers: Headers,
+    timeline: bool,
+    steps: int = 2,
+) -> Engine:
+    """Run global rank `rank` of `plan` for `steps` train_steps in a fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rng = torch.get_rng_state()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    try:
+        engine = parallelize(copy.deepcopy(model), plan, optimizer=optimizer, loss_fn=loss_fn)
+        engine.prepare(inputs)
+        runner = engine.runner
+        if isinstance(runner, PipelineRunner):
+            exchange = runner.stage.exchange
+            for (sender, key), metas in headers.pop(rank, {}).items():
+                exchange.learn(sender, key, metas)
+        engine.track_memory, engine.enforce_budget = True, False
+        for step in range(steps):
+            if timeline and step == steps - 1:
+                engine.memory_timeline = []
+            engine.train_step(inputs, targets)
+        if isinstance(runner, PipelineRunner):
+            for (peer, key), metas in runner.stage.exchange.told.items():
+                headers.setdefault(peer, {})[(rank, key)] = metas
+        engine.close()
+        return engine
+    finally:
+        dist.destroy_process_group()
+        torch.set_rng_state(rng)
+
+
+def _rank_estimate(engine: Engine, rank: int, pp: int, tp: int) -> RankEstimate:
+    peak = engine.tensor_peak
+    assert peak is not None, "a tracked step always records its peak"
+    return RankEstimate(
+        rank=rank,
+        coordinates={"dp": 0, "pp": pp, "tp": tp},
+        peak_bytes=peak.bytes,
+        breakdown=dict(peak.breakdown),
+        phase=peak.phase,
+        timeline=list(engine.memory_timeline or []),
+    )
