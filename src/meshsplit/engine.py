@@ -9,8 +9,7 @@ micro-batch.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, phases, tensor, training
+from meshsplit import checkpoint, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, convert_batchnorm, describe_batchnorm
 from meshsplit.data_parallel import GradientSync, shard_optimizer
@@ -29,16 +28,16 @@ from meshsplit.memory.report import (
     MemoryReport,
     baseline_bytes,
     optimizer_bytes,
-    optimizer_tensors,
     peak_bytes,
     reset_peak,
     tensor_bytes,
 )
-from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
 from meshsplit.mesh import Mesh
 from meshsplit.phases import phase
+from meshsplit.pipeline.blocks import piece_names
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
+from meshsplit.rank_memory import RankMemory
 from meshsplit.runner import LocalRunner, Runner
 
 __all__ = ["Engine", "parallelize"]
@@ -140,20 +139,16 @@ class Engine:
         """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
         self._pending_load: Path | None = None
-        self.track_memory = True
-        """Count live tensor bytes in every train_step on CPU (memory_report's
-        tensor_peak_bytes); a step runs a few percent slower under the tracker."""
-        self.enforce_budget = True
-        """Raise MemoryBudgetError when a step goes past Plan.memory_budget (off: only count)."""
-        self.tensor_peak: Peak | None = None
-        """The last tracked step's peak of live tensor bytes, its phase and its breakdown."""
-        self.memory_timeline: list[Sample] | None = None
-        """Set to a list to receive the next tracked step's live bytes after every event."""
+        self.memory = RankMemory(plan, mesh)
+        """This rank's budget and the live-tensor count of each step (see rank_memory.py)."""
 
     @property
     def needs_example(self) -> bool:
-        """Whether splitting waits for a micro-batch (operator split by data flow, profiling)."""
-        return self.plan.pp > 1 or self.plan.tp > 1
+        """Whether splitting waits for a micro-batch (operator split by data flow, profiling,
+        recompute chosen from what each block saves)."""
+        plan = self.plan
+        auto = plan.checkpoint == "auto" and plan.budget_bytes is not None
+        return plan.pp > 1 or plan.tp > 1 or auto
 
     def build(self, example_inputs: Any) -> _Parts:
         """Split the model and create this rank's runner, gradient sync and optimizer (once)."""
@@ -171,12 +166,18 @@ class Engine:
             self.operator_split = tensor.parallelize(
                 model, self.mesh, plan.tp_plan, example=example_inputs
             )
+        blocks = piece_names(model) if plan.checkpoint in ("always", "auto") else []
+        profile = None
+        if plan.checkpoint == "auto" and plan.budget_bytes is not None:
+            profile = recompute.measure_blocks(model, blocks, example_inputs)
         runner: Runner
         if plan.pp > 1:
             wrap = recompute.for_stages(plan.checkpoint, plan.pp)
             runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs, wrap)
         else:
             runner = LocalRunner(model, self.loss_fn, plan.micro_batches)
+            if plan.checkpoint == "always":
+                recompute.recompute_blocks(model, blocks)
         params = list(runner.parameters())
         self._parts = _Parts(
             runner=runner,
@@ -187,6 +188,7 @@ class Engine:
                 else self._make_optimizer(params)
             ),
         )
+        self.memory.fit(model, runner, self._parts.sync, self._make_optimizer, profile)
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
             checkpoint.load(self, path)
@@ -237,7 +239,7 @@ class Engine:
         parts = self._built(inputs)
         parts.runner.train(True)
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
-        with self._watch_memory(parts):
+        with self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1):
             parts.sync.begin_step(parts.runner.backward_passes())
             loss = parts.runner.train_batch(x, y, global_rows)
             with phase("gradient sync"):
@@ -250,41 +252,6 @@ class Engine:
         self.steps += 1
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
-
-    @contextmanager
-    def _watch_memory(self, parts: _Parts) -> Iterator[None]:
-        """Count this step's live tensor bytes (and hold it to the budget): the allocator's
-        peak on GPU, the dispatch-level tracker on CPU when `track_memory` is on."""
-        where = f"rank {dist.get_rank()}, step {self.steps + 1}"
-        if self.mesh.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.mesh.device)
-            try:
-                yield
-            except torch.OutOfMemoryError as error:
-                if self.plan.budget_bytes is None:
-                    raise
-                raise MemoryBudgetError(
-                    f"{where}: {phases.current()} went past Plan.memory_budget="
-                    f"{self.plan.memory_budget}: {error}"
-                ) from error
-            self.tensor_peak = Peak(bytes=int(torch.cuda.max_memory_allocated(self.mesh.device)))
-            return
-        budget = self.plan.budget_bytes if self.enforce_budget else None
-        if not (self.track_memory or budget is not None):
-            yield
-            return
-        tracker = LiveTensors(
-            self.mesh.device,
-            _holders(parts),
-            budget=budget,
-            where=where,
-            timeline=self.memory_timeline is not None,
-        )
-        with tracker:
-            yield
-        self.tensor_peak = tracker.peak
-        if self.memory_timeline is not None:
-            self.memory_timeline[:] = tracker.samples or []
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
@@ -397,7 +364,7 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""
-        peak = self.tensor_peak
+        peak = self.memory.peak
         return MemoryReport(
             rank=dist.get_rank(),
             peak_bytes=peak_bytes(self.mesh.device),
@@ -420,6 +387,7 @@ class Engine:
             **runner.describe(),
             "operator_split": [decision.as_dict() for decision in self.operator_split],
             "batchnorm": describe_batchnorm(self.batchnorm, self.plan.dp, self.plan.micro_batches),
+            "memory": self.memory.budget.as_dict() if self.memory.budget is not None else None,
         }
 
     def close(self) -> None:
@@ -439,16 +407,6 @@ class _Unsplit:
 
     def shard_layouts(self) -> dict[str, tuple[int, int]]:
         return {}
-
-
-def _holders(parts: _Parts) -> Holders:
-    """What holds each category's tensors on this rank, for the tracker."""
-    return {
-        "parameters": lambda: parts.runner.local_state_dict().values(),
-        "gradients": lambda: (bucket.flat for bucket in parts.sync.buckets),
-        "optimizer": lambda: optimizer_tensors(parts.optimizer),
-        "buffers": parts.runner.communication_buffers,
-    }
 
 
 @dataclass

@@ -15,6 +15,7 @@ __all__: list[str] = []
 
 _stack: list[str] = []
 _listeners: list[Callable[[str], None]] = []
+_failed: list[str] = []
 
 
 def current() -> str:
@@ -28,10 +29,21 @@ def phase(name: str) -> Iterator[None]:
     _stack.append(name)
     try:
         yield
+    except BaseException:
+        if not _failed:
+            _failed.append(name)
+        raise
     finally:
         _stack.pop()
     for listener in list(_listeners):
         listener(name)
+
+
+def failed_in() -> str:
+    """The innermost phase the last error escaped from (then forgotten), or 'idle'."""
+    name = _failed[0] if _failed else "idle"
+    _failed.clear()
+    return name
 
 
 @contextmanager

@@ -131,10 +131,10 @@ def _simulate(
             exchange = runner.stage.exchange
             for (sender, key), metas in headers.pop(rank, {}).items():
                 exchange.learn(sender, key, metas)
-        engine.track_memory, engine.enforce_budget = True, False
+        engine.memory.track, engine.memory.enforce = True, False
         for step in range(steps):
             if timeline and step == steps - 1:
-                engine.memory_timeline = []
+                engine.memory.timeline = []
             engine.train_step(inputs, targets)
         if isinstance(runner, PipelineRunner):
             for (peer, key), metas in runner.stage.exchange.told.items():
@@ -147,7 +147,7 @@ def _simulate(
 
 
 def _rank_estimate(engine: Engine, rank: int, pp: int, tp: int) -> RankEstimate:
-    peak = engine.tensor_peak
+    peak = engine.memory.peak
     assert peak is not None, "a tracked step always records its peak"
     return RankEstimate(
         rank=rank,
@@ -155,5 +155,5 @@ def _rank_estimate(engine: Engine, rank: int, pp: int, tp: int) -> RankEstimate:
         peak_bytes=peak.bytes,
         breakdown=dict(peak.breakdown),
         phase=peak.phase,
-        timeline=list(engine.memory_timeline or []),
+        timeline=list(engine.memory.timeline or []),
     )

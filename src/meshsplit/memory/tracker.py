@@ -13,6 +13,7 @@ end of every phase.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ class LiveTensors(TorchDispatchMode):
                 self._move(known, category)
             return
         nbytes = storage.nbytes()
-        ref = weakref.ref(storage, lambda _, key=key: self._freed(key))
+        ref = weakref.ref(storage, functools.partial(self._freed, key))
         self._live[key] = _Storage(nbytes, category, ref)
         self._totals[category] += nbytes
         self._total += nbytes
@@ -156,7 +157,7 @@ class LiveTensors(TorchDispatchMode):
         self._totals[category] += storage.nbytes
         storage.category = category
 
-    def _freed(self, key: int) -> None:
+    def _freed(self, key: int, _: object = None) -> None:
         storage = self._live.pop(key, None)
         if storage is not None:
             self._totals[storage.category] -= storage.nbytes

@@ -143,6 +143,12 @@ def has_nested_blocks(model: nn.Module) -> bool:
     return any(name != "" for name in _block_lists(model, dict(model.named_modules())))
 
 
+def piece_names(model: nn.Module) -> list[str]:
+    """The pieces a run would find, by name, without running: the blocks of the model's block
+    lists (the root's children when the root is one) and the parameter holders beside them."""
+    return _piece_names(model, _block_lists(model, dict(model.named_modules())))
+
+
 def sizes_at(pieces: Sequence[Piece], split_points: Sequence[str]) -> tuple[int, ...]:
     """Stage sizes when a stage begins at each named piece (Plan.split_points)."""
     index = {piece.name: k for k, piece in enumerate(pieces)}

@@ -1,0 +1,152 @@
+"""Plan.memory_budget on one rank, before its first step: refuse what cannot fit, and pick
+what 'auto' recomputes so the rest does.
+
+What a rank holds for good — its parameters and buffers, its gradient buckets, the optimizer
+state its first step will create — is known exactly once the model is split. Above that
+sit, per micro-batch in flight, the activations its blocks save for backward (measured on
+the example micro-batch) and, at any moment, the working set of one block's backward. The
+figures are a floor: the run itself enforces the budget (see tracker.py), and
+`ms.estimate_memory` simulates the whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshsplit.memory.recompute import BlockProfile, choose_blocks
+from meshsplit.memory.report import optimizer_bytes
+from meshsplit.memory.tracker import Holders, LiveTensors, describe_breakdown, format_bytes
+from meshsplit.plan import PlanError
+
+__all__: list[str] = []
+
+_PROBE_SIZES = (1024, 2048)
+
+
+@dataclass(frozen=True)
+class OptimizerNeed:
+    state_bytes: int
+    """What the optimizer holds after its first step."""
+    step_bytes: int
+    """What its step allocates for a moment on top (foreach kernels' temporaries)."""
+
+
+def optimizer_need(
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    params: Sequence[nn.Parameter],
+    shards: int = 1,
+) -> OptimizerNeed:
+    """What the optimizer will hold for `params` (1/shards under ZeRO), learnt from probe
+    steps on two sizes: bytes per element and per parameter, lasting and momentary."""
+    state, moment = [], []
+    for size in _PROBE_SIZES:
+        probe = nn.Parameter(torch.zeros(size))
+        optimizer = make_optimizer([probe])
+        probe.grad = torch.zeros_like(probe)
+        try:
+            with LiveTensors(torch.device("cpu"), _held(probe)) as tracker:
+                optimizer.step()
+        except Exception:  # an optimizer that needs a closure (LBFGS): no prediction
+            return OptimizerNeed(0, 0)
+        state.append(optimizer_bytes(optimizer))
+        moment.append(max(0, tracker.peak.bytes - 2 * probe.nbytes - state[-1]))
+    trainable = [p for p in params if p.requires_grad]
+    return OptimizerNeed(_scaled(state, trainable) // shards, _scaled(moment, trainable) // shards)
+
+
+def _held(probe: nn.Parameter) -> Holders:
+    return {"parameters": lambda: [probe, probe.grad if probe.grad is not None else probe]}
+
+
+def _scaled(measured: list[int], params: Sequence[nn.Parameter]) -> int:
+    """Bytes for `params` from bytes measured on the float32 probes."""
+    low, high = _PROBE_SIZES
+    per_element = (measured[1] - measured[0]) / (high - low)
+    per_parameter = max(0.0, measured[0] - per_element * low)
+    return int(sum(per_element * p.nbytes / 4 + per_parameter for p in params))
+
+
+@dataclass
+class RankBudget:
+    """What this rank needs against its budget, and what 'auto' chose to recompute."""
+
+    budget_bytes: int
+    static: dict[str, int]
+    """parameters, gradients and optimizer bytes, held for the whole run."""
+    in_flight: int
+    """Micro-batches whose activations this rank holds at once (its schedule's peak)."""
+    activation_bytes: int
+    """Saved activations of those micro-batches, after recompute."""
+    working_bytes: int
+    """Backward's working set on top (see fit_budget)."""
+    recompute: list[str] = field(default_factory=list)
+    """Blocks chosen to recompute ('auto')."""
+    added_forward_ms: float = 0.0
+    """Forward time recompute adds per micro-batch."""
+
+    @property
+    def need_bytes(self) -> int:
+        """The predicted backward peak: lasting state, activations, working set."""
+        return sum(self.static.values()) + self.activation_bytes + self.working_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "need_bytes": self.need_bytes}
+
+
+def fit_budget(
+    *,
+    where: str,
+    budget_bytes: int,
+    static: dict[str, int],
+    optimizer_step_bytes: int,
+    profile: BlockProfile | None,
+    local_blocks: Sequence[str],
+    in_flight: int,
+    auto: bool,
+) -> RankBudget:
+    """Refuse a rank whose lasting state alone passes its budget; under 'auto' choose the
+    blocks whose recompute brings the activations under it, or refuse if none can.
+
+    Backward's working set is taken as one block's saved tensors (rematerialised when it
+    recomputes) plus twice the model's output (the loss's input and its gradient).
+    """
+    held = sum(static.values())
+    if held + optimizer_step_bytes > budget_bytes:
+        raise PlanError(
+            f"{where} holds {format_bytes(held)} before any activation "
+            f"({describe_breakdown(static)}; the optimizer step adds "
+            f"{format_bytes(optimizer_step_bytes)}), over Plan.memory_budget "
+            f"{format_bytes(budget_bytes)}; split the model further (larger pp or tp), shard "
+            "the optimizer state (zero=True) or raise the budget"
+        )
+    blocks = [b for b in profile.blocks if b.name in local_blocks] if profile else []
+    saved = in_flight * sum(b.saved_bytes for b in blocks)
+    working = max((b.saved_bytes for b in blocks), default=0)
+    working += 2 * (profile.output_bytes if profile else 0)
+    chosen = choose_blocks(blocks, in_flight, held + saved + working - budget_bytes) if auto else []
+    picked = [b for b in blocks if b.name in chosen]
+    activations = saved - in_flight * sum(b.saving_bytes for b in picked)
+    result = RankBudget(
+        budget_bytes=budget_bytes,
+        static=static,
+        in_flight=in_flight,
+        activation_bytes=activations,
+        working_bytes=working,
+        recompute=chosen,
+        added_forward_ms=sum(b.forward_ms for b in picked),
+    )
+    if auto and result.need_bytes > budget_bytes:
+        raise PlanError(
+            f"{where} needs {format_bytes(result.need_bytes)} even with checkpoint='auto' "
+            f"recomputing all {len(chosen)} blocks that save anything "
+            f"({describe_breakdown(static)}, activations {format_bytes(activations)} for "
+            f"{in_flight} micro-batches in flight, backward working set "
+            f"{format_bytes(working)}), over Plan.memory_budget {format_bytes(budget_bytes)}; "
+            "use more micro-batches, a larger pp or tp, or raise the budget"
+        )
+    return result

@@ -1,0 +1,153 @@
+"""This rank's memory while it trains: the budget before the first step, the count in each.
+
+Before the first step the rank's lasting state is known exactly (its split is built): it is
+held to Plan.memory_budget there, on every rank at once so all refuse together, and under
+checkpoint='auto' the blocks to recompute are chosen (memory/budget.py). In every step the
+live tensors are counted — the allocator's peak on GPU, the dispatch-level tracker on CPU
+(memory/tracker.py) — and the budget is enforced: by the allocator on GPU, at the end of
+each phase on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit import phases
+from meshsplit.data_parallel import GradientSync
+from meshsplit.memory import recompute
+from meshsplit.memory.budget import RankBudget, fit_budget, optimizer_need
+from meshsplit.memory.report import optimizer_tensors, tensor_bytes
+from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
+from meshsplit.mesh import Mesh
+from meshsplit.pipeline.runner import PipelineRunner
+from meshsplit.pipeline.schedules import max_in_flight, schedule
+from meshsplit.plan import Plan, PlanError
+from meshsplit.runner import Runner
+
+__all__: list[str] = []
+
+
+class RankMemory:
+    """The budget and the per-step count of one rank."""
+
+    def __init__(self, plan: Plan, mesh: Mesh) -> None:
+        self.plan, self.mesh = plan, mesh
+        self.track = True
+        """Count live tensor bytes in every train_step on CPU (memory_report's
+        tensor_peak_bytes); steps of small models run measurably slower under the tracker
+        (see benchmarks/README.md), so a long run may turn it off after the first steps."""
+        self.enforce = True
+        """Raise MemoryBudgetError when a step passes Plan.memory_budget (off: only count)."""
+        self.peak: Peak | None = None
+        """The last counted step's peak of live tensor bytes, its phase and breakdown."""
+        self.timeline: list[Sample] | None = None
+        """Set to a list to receive the next counted step's live bytes after every event."""
+        self.budget: RankBudget | None = None
+        """This rank against the budget: its lasting state and what 'auto' recomputes."""
+
+    def fit(
+        self,
+        model: nn.Module,
+        runner: Runner,
+        sync: GradientSync,
+        make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        profile: recompute.BlockProfile | None,
+    ) -> None:
+        """Hold this rank to the budget before its first step; every rank calls this."""
+        plan = self.plan
+        if plan.budget_bytes is None:
+            return
+        message = None
+        try:
+            self.budget = _fit(plan, self.mesh, runner, sync, make_optimizer, profile)
+        except PlanError as error:
+            message = str(error)
+        messages: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        refusals = [m for m in messages if m is not None]
+        if refusals:
+            raise PlanError("; ".join(refusals))
+        assert self.budget is not None
+        recompute.recompute_blocks(model, self.budget.recompute)
+        if self.mesh.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.mesh.device).total_memory
+            fraction = min(1.0, plan.budget_bytes / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.mesh.device)
+
+    @contextmanager
+    def step(
+        self, runner: Runner, sync: GradientSync, optimizer: Any, number: int
+    ) -> Iterator[None]:
+        """Count step `number`'s live tensor bytes and hold it to the budget."""
+        where = f"rank {dist.get_rank()}, step {number}"
+        device = self.mesh.device
+        budget = self.plan.budget_bytes if self.enforce else None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            try:
+                yield
+            except torch.OutOfMemoryError as error:
+                if budget is None:
+                    raise
+                raise MemoryBudgetError(
+                    f"{where}: {phases.failed_in()} went past Plan.memory_budget="
+                    f"{self.plan.memory_budget!r}: {error}"
+                ) from error
+            self.peak = Peak(bytes=int(torch.cuda.max_memory_allocated(device)))
+            return
+        if not (self.track or budget is not None):
+            yield
+            return
+        holders: Holders = {
+            "parameters": lambda: runner.local_state_dict().values(),
+            "gradients": lambda: (bucket.flat for bucket in sync.buckets),
+            "optimizer": lambda: optimizer_tensors(optimizer),
+            "buffers": runner.communication_buffers,
+        }
+        tracker = LiveTensors(
+            device, holders, budget=budget, where=where, timeline=self.timeline is not None
+        )
+        with tracker:
+            yield
+        self.peak = tracker.peak
+        if self.timeline is not None:
+            self.timeline[:] = tracker.samples or []
+
+
+def _fit(
+    plan: Plan,
+    mesh: Mesh,
+    runner: Runner,
+    sync: GradientSync,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    profile: recompute.BlockProfile | None,
+) -> RankBudget:
+    local = set(runner.named_parameters().values())
+    blocks = [] if profile is None else [b.name for b in profile.blocks]
+    mine = [b for b in blocks if any(n.startswith(b + ".") for n in local)]
+    in_flight = 1
+    if isinstance(runner, PipelineRunner):
+        in_flight = max_in_flight(
+            schedule(plan.schedule, plan.pp, plan.micro_batches)[mesh.rank("pp")]
+        )
+    need = optimizer_need(make_optimizer, list(runner.parameters()), plan.dp if plan.zero else 1)
+    return fit_budget(
+        where=f"rank {dist.get_rank()} ({plan.describe()})",
+        budget_bytes=plan.budget_bytes or 0,
+        static={
+            "parameters": tensor_bytes(runner.local_state_dict().values()),
+            "gradients": sync.gradient_bytes(),
+            "optimizer": need.state_bytes,
+        },
+        optimizer_step_bytes=need.step_bytes,
+        profile=profile,
+        local_blocks=mine,
+        in_flight=in_flight,
+        auto=plan.checkpoint == "auto",
+    )
