@@ -4,6 +4,7 @@ from meshsplit import data, models, tensor
 from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
+from meshsplit.memory.estimate import MemoryEstimate, RankEstimate
 from meshsplit.memory.report import MemoryReport
 from meshsplit.memory.tracker import MemoryBudgetError
 from meshsplit.plan import Plan, PlanError
@@ -13,9 +14,11 @@ __all__ = [
     "CheckpointError",
     "Engine",
     "MemoryBudgetError",
+    "MemoryEstimate",
     "MemoryReport",
     "Plan",
     "PlanError",
+    "RankEstimate",
     "WorkerError",
     "data",
     "estimate_memory",

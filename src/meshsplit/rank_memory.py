@@ -32,6 +32,19 @@ from meshsplit.runner import Runner
 
 __all__: list[str] = []
 
+_enforcing = [True]
+
+
+@contextmanager
+def counting_only() -> Iterator[None]:
+    """Engines made in the body count memory but never refuse or stop over the budget (the
+    estimate measures a plan that may not fit)."""
+    _enforcing.append(False)
+    try:
+        yield
+    finally:
+        _enforcing.pop()
+
 
 class RankMemory:
     """The budget and the per-step count of one rank."""
@@ -42,8 +55,9 @@ class RankMemory:
         """Count live tensor bytes in every train_step on CPU (memory_report's
         tensor_peak_bytes); steps of small models run measurably slower under the tracker
         (see benchmarks/README.md), so a long run may turn it off after the first steps."""
-        self.enforce = True
-        """Raise MemoryBudgetError when a step passes Plan.memory_budget (off: only count)."""
+        self.enforce = _enforcing[-1]
+        """Refuse (PlanError) or stop (MemoryBudgetError) a rank over Plan.memory_budget;
+        off: only count."""
         self.peak: Peak | None = None
         """The last counted step's peak of live tensor bytes, its phase and breakdown."""
         self.timeline: list[Sample] | None = None
@@ -65,7 +79,9 @@ class RankMemory:
             return
         message = None
         try:
-            self.budget = _fit(plan, self.mesh, runner, sync, make_optimizer, profile)
+            self.budget = _fit(
+                plan, self.mesh, runner, sync, make_optimizer, profile, refuse=self.enforce
+            )
         except PlanError as error:
             message = str(error)
         messages: list[Any] = [None] * dist.get_world_size()
@@ -127,6 +143,8 @@ def _fit(
     sync: GradientSync,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
     profile: recompute.BlockProfile | None,
+    *,
+    refuse: bool,
 ) -> RankBudget:
     local = set(runner.named_parameters().values())
     blocks = [] if profile is None else [b.name for b in profile.blocks]
@@ -150,4 +168,5 @@ def _fit(
         local_blocks=mine,
         in_flight=in_flight,
         auto=plan.checkpoint == "auto",
+        refuse=refuse,
     )

@@ -27,6 +27,7 @@ from meshsplit.memory.estimate import MemoryEstimate, RankEstimate, find_fix
 from meshsplit.pipeline.p2p import TensorMeta
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan
+from meshsplit.rank_memory import counting_only
 
 __all__ = ["estimate_memory"]
 
@@ -124,14 +125,15 @@ def _simulate(
     rng = torch.get_rng_state()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
-        engine = parallelize(copy.deepcopy(model), plan, optimizer=optimizer, loss_fn=loss_fn)
+        with counting_only():
+            engine = parallelize(copy.deepcopy(model), plan, optimizer=optimizer, loss_fn=loss_fn)
         engine.prepare(inputs)
         runner = engine.runner
         if isinstance(runner, PipelineRunner):
             exchange = runner.stage.exchange
             for (sender, key), metas in headers.pop(rank, {}).items():
                 exchange.learn(sender, key, metas)
-        engine.memory.track, engine.memory.enforce = True, False
+        engine.memory.track = True
         for step in range(steps):
             if timeline and step == steps - 1:
                 engine.memory.timeline = []

@@ -108,15 +108,17 @@ def fit_budget(
     local_blocks: Sequence[str],
     in_flight: int,
     auto: bool,
+    refuse: bool = True,
 ) -> RankBudget:
     """Refuse a rank whose lasting state alone passes its budget; under 'auto' choose the
-    blocks whose recompute brings the activations under it, or refuse if none can.
+    blocks whose recompute brings the activations under it, or refuse if none can
+    (`refuse=False`: say what is needed instead, recomputing all that helps).
 
     Backward's working set is taken as one block's saved tensors (rematerialised when it
     recomputes) plus twice the model's output (the loss's input and its gradient).
     """
     held = sum(static.values())
-    if held + optimizer_step_bytes > budget_bytes:
+    if refuse and held + optimizer_step_bytes > budget_bytes:
         raise PlanError(
             f"{where} holds {format_bytes(held)} before any activation "
             f"({describe_breakdown(static)}; the optimizer step adds "
@@ -140,7 +142,7 @@ def fit_budget(
         recompute=chosen,
         added_forward_ms=sum(b.forward_ms for b in picked),
     )
-    if auto and result.need_bytes > budget_bytes:
+    if refuse and auto and result.need_bytes > budget_bytes:
         raise PlanError(
             f"{where} needs {format_bytes(result.need_bytes)} even with checkpoint='auto' "
             f"recomputing all {len(chosen)} blocks that save anything "

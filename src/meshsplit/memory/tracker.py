@@ -32,9 +32,14 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", 
 """Where a byte goes. parameters: parameters and module buffers (the model's state);
 buffers: communication buffers (gradient buckets are gradients); temporaries: the rest."""
 
-_RANK = {name: i for i, name in enumerate(CATEGORIES)}
-"""A storage held for two reasons counts once, under the earlier category (a weight autograd
-saves for backward is a parameter)."""
+_RANK = {
+    name: i
+    for i, name in enumerate(
+        ("parameters", "gradients", "optimizer", "buffers", "activations", "temporaries")
+    )
+}
+"""A storage held for two reasons counts once, under the earlier one here: a weight autograd
+saves for backward is a parameter, a received activation lives in a receive buffer."""
 
 Holders = dict[str, Callable[[], Iterable[torch.Tensor]]]
 """category -> the tensors that category holds now (re-read at every phase end)."""
