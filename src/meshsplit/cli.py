@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -13,18 +14,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshsplit import compare_report, data, models, tensor
+from meshsplit import compare_report, data, memory_view, models, tensor
 from meshsplit.checkpoint import CheckpointError
 from meshsplit.compare import CompareConfig
 from meshsplit.compare import compare as run_comparison
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
+from meshsplit.simulate import estimate_memory
 
 __all__ = ["main"]
 
 MODELS = ("mlp", "cnn", "transformer")
-USER_ERRORS = ("PlanError", "CheckpointError")
+USER_ERRORS = ("PlanError", "CheckpointError", "MemoryBudgetError")
 """Errors in what the user asked for: one line and exit code 2, no traceback."""
 
 
@@ -120,21 +122,41 @@ def stage_table(description: dict[str, Any]) -> Table:
     return table
 
 
+def _plan_options(command: argparse.ArgumentParser) -> None:
+    """The options that make a Plan, shared by train and memory."""
+    command.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    command.add_argument("--pp", type=int, default=1, help="pipeline stages (layer split)")
+    command.add_argument("--tp", type=int, default=1, help="operator-split width")
+    command.add_argument("--micro-batches", type=int, default=1)
+    command.add_argument("--schedule", default="1f1b", help="1f1b or gpipe")
+    command.add_argument(
+        "--recompute",
+        default="never",
+        help="activation recomputation: never, except_last, always or auto (fits the budget)",
+    )
+    command.add_argument(
+        "--memory-budget", help="live tensor bytes per rank, e.g. 2GiB; checked before launch"
+    )
+
+
+def _plan_from(args: argparse.Namespace) -> Plan:
+    return Plan(
+        dp=args.dp,
+        pp=args.pp,
+        tp=args.tp,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
+        checkpoint=args.recompute,
+        memory_budget=args.memory_budget,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshsplit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a reference model under a plan")
     train.add_argument("--model", choices=MODELS, default="mlp")
-    train.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    train.add_argument("--pp", type=int, default=1, help="pipeline stages (layer split)")
-    train.add_argument("--tp", type=int, default=1, help="operator-split width")
-    train.add_argument("--micro-batches", type=int, default=1)
-    train.add_argument("--schedule", default="1f1b", help="1f1b or gpipe")
-    train.add_argument(
-        "--recompute",
-        default="never",
-        help="activation checkpointing in stages: never, except_last or always (pp > 1)",
-    )
+    _plan_options(train)
     train.add_argument("--epochs", type=int, default=5)
     train.add_argument("--batch-size", type=int, default=64, help="global batch size")
     train.add_argument("--lr", type=float, default=1e-3)
@@ -155,19 +177,37 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--steps", type=int, default=6, help="steps per plan (first untimed)")
     compare.add_argument("--batch-size", type=int, default=64)
     compare.add_argument("--micro-batches", type=int, default=4, help="for plans with pp > 1")
+    compare.add_argument(
+        "--memory-budget", help="per rank, e.g. 64MiB: plans whose estimate passes it are refused"
+    )
+    memory = commands.add_parser(
+        "memory", help="each rank's memory estimate beside what its worker measures"
+    )
+    memory.add_argument("--model", choices=MODELS, default="transformer")
+    _plan_options(memory)
+    memory.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    memory.add_argument("--out", type=Path, default=Path("meshsplit-memory"))
     return parser
 
 
+def _adam(params: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=lr)
+
+
+def _first_batch(name: str, plan: Plan, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    plan.check_batch(batch_size)
+    inputs, targets = model_data(name, "train")
+    return inputs[:batch_size], targets[:batch_size]
+
+
 def train(args: argparse.Namespace) -> None:
-    plan = Plan(
-        dp=args.dp,
-        pp=args.pp,
-        tp=args.tp,
-        micro_batches=args.micro_batches,
-        schedule=args.schedule,
-        checkpoint=args.recompute,
-    )
-    plan.check_batch(args.batch_size)
+    plan = _plan_from(args)
+    batch = _first_batch(args.model, plan, args.batch_size)
+    if plan.memory_budget is not None:  # refuse before launch what will not fit
+        optimizer = functools.partial(_adam, lr=args.lr)
+        estimate_memory(
+            build_model(args.model), plan, batch, optimizer=optimizer, loss_fn=loss_for(args.model)
+        ).check()
     if args.epochs < 1:
         raise PlanError(f"--epochs={args.epochs} must be at least 1")
     if args.resume and args.checkpoint_dir is None:
@@ -211,6 +251,7 @@ def compare(args: argparse.Namespace) -> None:
         steps=args.steps,
         batch_size=args.batch_size,
         micro_batches=args.micro_batches,
+        memory_budget=args.memory_budget,
     )
     if config.devices < 1:
         raise PlanError(f"--devices={config.devices} must be at least 1")
@@ -223,6 +264,17 @@ def compare(args: argparse.Namespace) -> None:
         console.print(f"wrote {path}")
 
 
+def memory(args: argparse.Namespace) -> None:
+    plan = _plan_from(args)
+    batch = _first_batch(args.model, plan, args.batch_size)
+    build = functools.partial(build_model, args.model)
+    estimate, measured = memory_view.measure(build, plan, batch, _adam, loss_for(args.model))
+    console = Console() if Console().is_terminal else Console(width=160)
+    console.print(memory_view.table(estimate, measured))
+    for path in memory_view.write(estimate, measured, args.out):
+        console.print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
@@ -231,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             train(args)
         elif args.command == "compare":
             compare(args)
+        elif args.command == "memory":
+            memory(args)
     except (PlanError, CheckpointError) as error:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 2

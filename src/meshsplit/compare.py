@@ -21,6 +21,7 @@ from meshsplit import data, models
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError, divisors
+from meshsplit.simulate import estimate_memory
 from meshsplit.traffic import count_traffic
 
 __all__: list[str] = []
@@ -49,6 +50,8 @@ class CompareConfig:
     """Global batch size."""
     micro_batches: int = 4
     """Micro-batches per step for plans with a layer split."""
+    memory_budget: str | None = None
+    """Per-rank budget: plans whose estimate passes it are refused, not run."""
     seed: int = 0
 
 
@@ -59,7 +62,15 @@ def candidate_plans(config: CompareConfig) -> list[Plan]:
         for pp in divisors(config.devices // dp):
             tp = config.devices // (dp * pp)
             micro_batches = config.micro_batches if pp > 1 else 1
-            plans.append(Plan(dp=dp, pp=pp, tp=tp, micro_batches=micro_batches))
+            plans.append(
+                Plan(
+                    dp=dp,
+                    pp=pp,
+                    tp=tp,
+                    micro_batches=micro_batches,
+                    memory_budget=config.memory_budget,
+                )
+            )
     return sorted(plans, key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
 
 
@@ -94,12 +105,15 @@ def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:
     """Runs in every worker: train the fixed steps under `plan`; this rank's figures."""
     steps = batches(config)  # before the engine: loading data is not the plan's memory
     engine = parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=_loss_fn(config))
+    engine.memory.track = False  # the timed steps run as a user's would
     losses = [engine.train_step(*steps[0])]
     started = time.perf_counter()
     with count_traffic() as traffic:
         losses.append(engine.train_step(*steps[1]))
     losses += [engine.train_step(*batch) for batch in steps[2:]]
     seconds = time.perf_counter() - started
+    engine.memory.track = True  # one more step, untimed, to count its live tensors
+    engine.train_step(*steps[-1])
     memory = engine.memory_report().as_dict()
     engine.close()
     return {"losses": losses, "seconds": seconds, "bytes": traffic.total_bytes, "memory": memory}
@@ -143,7 +157,12 @@ def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str,
     row: dict[str, Any] = {"plan": plan.describe(), "shape": asdict(plan)}
     try:
         plan.check_batch(config.batch_size)
-        results = launch(_run_plan, plan.world_size, args=(config, plan))
+        estimate = estimate_memory(
+            _model(config), plan, batches(config)[0], optimizer=_optimizer, loss_fn=_loss_fn(config)
+        )
+        estimate.check()
+        # the workers cut the layers where the estimate's profile did
+        results = launch(_run_plan, plan.world_size, args=(config, estimate.plan))
     except PlanError as error:
         return {**row, "refused": str(error)}
     except WorkerError as error:
@@ -161,6 +180,8 @@ def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str,
         **row,
         "samples_per_second": (config.steps - 1) * config.batch_size / slowest,
         "peak_memory_bytes": peaks,
+        "tensor_peak_bytes": [r["memory"]["tensor_peak_bytes"] for r in results],
+        "estimated_peak_bytes": [r.peak_bytes for r in estimate.ranks],
         "bytes_per_step": sum(result["bytes"] for result in results),
         "final_loss": losses[-1],
         "reference_final_loss": reference[-1],

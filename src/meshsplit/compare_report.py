@@ -20,7 +20,7 @@ _MIB = 2**20
 def _cells(row: dict[str, Any]) -> list[str]:
     """One plan's figures as text, in the column order of HEADERS."""
     if "refused" in row:
-        return [row["plan"], "refused", "", "", "", "", "", ""]
+        return [row["plan"], "refused"] + [""] * (len(HEADERS) - 2)
     peaks = row["peak_memory_bytes"]
     return [
         row["plan"],
@@ -28,6 +28,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{row['ratio_to_best']:.2f}",
         f"{max(peaks) / _MIB:.0f}",
         f"{min(peaks) / _MIB:.0f}",
+        f"{max(row['estimated_peak_bytes']) / _MIB:.1f}",
+        f"{max(row['tensor_peak_bytes']) / _MIB:.1f}",
         f"{row['bytes_per_step'] / _MIB:.2f}",
         f"{row['final_loss']:.4f}",
         "yes" if row["loss_matches"] else "NO",
@@ -40,12 +42,16 @@ HEADERS = [
     "vs best",
     "peak MiB max",
     "peak MiB min",
+    "tensors MiB est",
+    "tensors MiB",
     "MiB sent/step",
     "final loss",
     "= 1 device",
 ]
 """Peak memory is what training added per rank (largest and smallest rank) above the
-process's memory before the model existed; MiB sent sums all ranks."""
+process's memory before the model existed; tensors MiB is the largest rank's peak of live
+tensor bytes in one step, estimated before launch (est) and measured; MiB sent sums all
+ranks."""
 
 
 def table(config: CompareConfig, rows: list[dict[str, Any]]) -> Table:

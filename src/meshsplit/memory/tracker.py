@@ -14,6 +14,7 @@ end of every phase.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -103,6 +104,9 @@ class LiveTensors(TorchDispatchMode):
         self._phase_peak = 0
         self._phase_peak_breakdown: dict[str, int] = {}
         self._contexts: list[Any] = []
+        self._lock = threading.RLock()
+        """Storages may die on another thread (a collective's worker dropping the last
+        reference), so the counts change under a lock."""
 
     # -- entering and leaving ---------------------------------------------------------
 
@@ -123,6 +127,8 @@ class LiveTensors(TorchDispatchMode):
         for context in self._contexts:
             context.__exit__(*exc)
         self._contexts = []
+        with self._lock:  # the weak references call back into this tracker: let them go
+            self._live.clear()
 
     @property
     def live_bytes(self) -> int:
@@ -143,7 +149,10 @@ class LiveTensors(TorchDispatchMode):
     def _see(self, tensor: torch.Tensor, category: str) -> None:
         if tensor.device != self.device or tensor.is_meta or tensor.layout != torch.strided:
             return
-        storage = tensor.untyped_storage()
+        with self._lock:
+            self._count(tensor.untyped_storage(), category)
+
+    def _count(self, storage: torch.UntypedStorage, category: str) -> None:
         key = id(storage)
         known = self._live.get(key)
         if known is not None and known.ref() is storage:
@@ -163,11 +172,12 @@ class LiveTensors(TorchDispatchMode):
         storage.category = category
 
     def _freed(self, key: int, _: object = None) -> None:
-        storage = self._live.pop(key, None)
-        if storage is not None:
-            self._totals[storage.category] -= storage.nbytes
-            self._total -= storage.nbytes
-            self._sample()
+        with self._lock:
+            storage = self._live.pop(key, None)
+            if storage is not None:
+                self._totals[storage.category] -= storage.nbytes
+                self._total -= storage.nbytes
+                self._sample()
 
     def _note_peak(self) -> None:
         self._sample()
