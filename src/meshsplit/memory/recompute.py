@@ -166,7 +166,7 @@ def choose_blocks(blocks: Sequence[BlockCost], in_flight: int, need_bytes: int) 
     best: list[tuple[float, tuple[str, ...]] | None] = [None] * (steps + 1)
     best[0] = (0.0, ())
     for block in useful:
-        weight = max(1, int(block.saving_bytes * in_flight / unit))
+        weight = max(1, int(block.saving_bytes * in_flight / unit + 1e-9))
         for reached in range(steps, -1, -1):
             current = best[reached]
             if current is None:

@@ -1,0 +1,168 @@
+"""The memory estimate against what workers measure, and the tracker against PyTorch's.
+
+Part 1: for the reference models over a grid of plans (dp, pp, tp, hybrids, both
+schedules, recompute on and off), `ms.estimate_memory` (one process) beside the peak of live
+tensor bytes each real worker measured; prints the error per rank. Part 2: one training step
+of each model in one process, plain, under meshsplit's live-tensor tracker and under
+`torch.distributed._tools.MemTracker`: the time ratio of each to plain (rounds A B C C B A,
+median) and the peaks they report.
+
+    python benchmarks/bench_memory.py [--rows 32] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import meshsplit as ms
+from meshsplit.memory.tracker import LiveTensors
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mlp": ms.models.mlp,
+    "cnn": ms.models.cnn,
+    "transformer": lambda: ms.models.transformer(n_layers=4),
+}
+
+PLANS = [
+    ms.Plan(dp=4),
+    ms.Plan(pp=4, micro_batches=4),
+    ms.Plan(pp=4, micro_batches=4, schedule="gpipe"),
+    ms.Plan(pp=2, dp=2, micro_batches=4, checkpoint="always"),
+    ms.Plan(tp=4),
+    ms.Plan(pp=2, tp=2, micro_batches=4),
+    ms.Plan(dp=2, tp=2, micro_batches=2),
+]
+
+
+def _model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _batch(name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if name == "transformer":
+        x = torch.randint(0, 256, (rows, 32), generator=g)
+        return x, x.roll(-1, 1)
+    return torch.randn(rows, 1, 28, 28, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
+def _loss(name: str) -> torch.nn.Module:
+    return ms.models.TokenCrossEntropy() if name == "transformer" else torch.nn.CrossEntropyLoss()
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _measure(cases: list[tuple[str, ms.Plan]], rows: int) -> list[int]:
+    peaks = []
+    for name, plan in cases:
+        engine = ms.parallelize(_model(name), plan, optimizer=_adam, loss_fn=_loss(name))
+        for _ in range(2):
+            engine.train_step(*_batch(name, rows))
+        peaks.append(engine.memory_report().tensor_peak_bytes)
+        engine.close()
+    return peaks
+
+
+def estimate_grid(rows: int) -> None:
+    cases, estimates = [], []
+    for name in MODELS:
+        for plan in PLANS:
+            try:
+                estimate = ms.estimate_memory(
+                    _model(name), plan, _batch(name, rows), optimizer=_adam, loss_fn=_loss(name)
+                )
+            except ms.PlanError as error:  # e.g. a tp the model's widths do not divide
+                print(f"{name:12s} {plan.describe():26s} refused: {str(error)[:60]}")
+                continue
+            cases.append((name, estimate.plan))
+            estimates.append(estimate)
+    measured = ms.launch(_measure, 4, args=(cases, rows), timeout_s=1200)
+    print(f"\n{'model':12s} {'plan':32s} {'rank':>4s} {'est MiB':>8s} {'meas MiB':>9s} error")
+    worst = 0.0
+    for index, ((name, plan), estimate) in enumerate(zip(cases, estimates, strict=True)):
+        label = plan.describe() + (f" {plan.checkpoint}" if plan.checkpoint != "never" else "")
+        for rank, predicted in enumerate(estimate.ranks):
+            real = measured[rank][index]
+            error = (predicted.peak_bytes - real) / real
+            worst = max(worst, abs(error))
+            print(
+                f"{name:12s} {label:32s} {rank:4d} {predicted.peak_bytes / 2**20:8.2f} "
+                f"{real / 2**20:9.2f} {error:+.1%}"
+            )
+    print(f"\nlargest error over {len(cases)} cases x 4 ranks: {worst:.1%}")
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss: Any) -> None:
+    optimizer.zero_grad()
+    loss(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+
+
+def tracker_overhead(rows: int, rounds: int) -> None:
+    print(f"\n{'model':12s} {'ours/plain':>10s} {'MemTracker/plain':>17s} {'our peak':>9s} "
+          f"{'MemTracker peak':>15s}")  # fmt: skip
+    for name in MODELS:
+        ratios, peaks = _overhead(name, rows, rounds)
+        print(
+            f"{name:12s} {ratios['ours']:10.2f} {ratios['theirs']:17.2f} "
+            f"{peaks['ours'] / 2**20:9.2f} {peaks['theirs'] / 2**20:15.2f}"
+        )
+
+
+def _overhead(name: str, rows: int, rounds: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Median step time under each tracker over plain, and the peak each reports."""
+    model, loss, batch = _model(name), _loss(name), _batch(name, rows)
+    optimizer = _adam(model.parameters())
+    _step(model, optimizer, batch, loss)  # optimizer state exists from here on
+    peaks: dict[str, int] = {}
+
+    def plain() -> None:
+        _step(model, optimizer, batch, loss)
+
+    def ours() -> None:
+        holders = {"parameters": lambda: list(model.parameters())}
+        with LiveTensors(torch.device("cpu"), holders) as tracker:
+            _step(model, optimizer, batch, loss)
+        peaks["ours"] = tracker.peak.bytes
+
+    def theirs() -> None:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            _step(model, optimizer, batch, loss)
+        peaks["theirs"] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    runs = {"plain": plain, "ours": ours, "theirs": theirs}
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for index in range(rounds):
+        for key in list(runs) if index % 2 == 0 else list(reversed(runs)):
+            started = time.perf_counter()
+            for _ in range(3):
+                runs[key]()
+            times[key].append((time.perf_counter() - started) / 3)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return {key: median[key] / median["plain"] for key in ("ours", "theirs")}, peaks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32, help="global batch")
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    estimate_grid(args.rows)
+    tracker_overhead(args.rows, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
