@@ -74,11 +74,13 @@ def test_tracker_sorts_bytes_by_what_holds_them_and_labels_the_peak() -> None:
 
 
 def test_a_phase_over_the_budget_raises_at_its_end_naming_it() -> None:
-    with pytest.raises(ms.MemoryBudgetError, match="rank 0, step 1: forward, micro-batch 2"):
-        with LiveTensors(torch.device("cpu"), {}, budget=1_000_000, where="rank 0, step 1"):
-            with phases.phase("forward, micro-batch 2"):
-                big = torch.zeros(1_000_000)
-                del big
+    with (
+        pytest.raises(ms.MemoryBudgetError, match="rank 0, step 1: forward, micro-batch 2"),
+        LiveTensors(torch.device("cpu"), {}, budget=1_000_000, where="rank 0, step 1"),
+        phases.phase("forward, micro-batch 2"),
+    ):
+        big = torch.zeros(1_000_000)
+        del big
 
 
 def test_the_knapsack_frees_the_need_for_the_least_added_time() -> None:
