@@ -115,7 +115,7 @@ def _picture(estimate: MemoryEstimate, measured: list[dict[str, Any]], path: Pat
     import matplotlib.pyplot as plt
 
     count = len(measured)
-    figure, axes = plt.subplots(count, 1, figsize=(9, 2.2 * count + 0.6), squeeze=False)
+    figure, axes = plt.subplots(count, 1, figsize=(9, 2.2 * count + 1.2), squeeze=False)
     for rank, (axis, worker) in enumerate(zip(axes[:, 0], measured, strict=True)):
         timeline = worker["timeline"]
         if timeline:
@@ -129,9 +129,11 @@ def _picture(estimate: MemoryEstimate, measured: list[dict[str, Any]], path: Pat
         axis.set_ylabel(f"rank {rank}\nMiB")
         axis.margins(x=0)
     axes[-1, 0].set_xlabel("allocations and frees during one train_step")
-    axes[0, 0].legend(loc="upper left", fontsize="small", ncol=4)
-    axes[0, 0].set_title(f"live tensors by category, {estimate.plan.describe()}")
-    figure.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    figure.suptitle(f"live tensors by category, {estimate.plan.describe()}")
+    figure.tight_layout(rect=(0, 0, 1, 0.92))
+    figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=7,
+                  fontsize="small", frameon=False)  # fmt: skip
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path

@@ -111,7 +111,9 @@ class LiveTensors(TorchDispatchMode):
     # -- entering and leaving ---------------------------------------------------------
 
     def __enter__(self) -> LiveTensors:
+        samples, self.samples = self.samples, None  # what is held on entry: one sample
         self._classify_holders()
+        self.samples = samples
         self._phase_peak = self._total
         self._note_peak()
         saved = saved_tensors_hooks(self._pack, _unpack)
