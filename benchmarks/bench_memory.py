@@ -22,6 +22,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import meshsplit as ms
+from meshsplit.memory.report import optimizer_tensors
 from meshsplit.memory.tracker import LiveTensors
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -130,7 +131,10 @@ def _overhead(name: str, rows: int, rounds: int) -> tuple[dict[str, float], dict
         _step(model, optimizer, batch, loss)
 
     def ours() -> None:
-        holders = {"parameters": lambda: list(model.parameters())}
+        holders = {
+            "parameters": lambda: list(model.parameters()),
+            "optimizer": lambda: list(optimizer_tensors(optimizer)),
+        }
         with LiveTensors(torch.device("cpu"), holders) as tracker:
             _step(model, optimizer, batch, loss)
         peaks["ours"] = tracker.peak.bytes
