@@ -71,6 +71,16 @@ def convert_batchnorm(
     return [name for name, _ in replacements.values()]
 
 
+def batchnorm_state(model: nn.Module) -> list[str]:
+    """State names of the BatchNorm layers `convert_batchnorm` will rebuild."""
+    return [
+        f"{name}.{key}" if name else key
+        for name, module in model.named_modules()
+        if _convertible(module)
+        for key in module.state_dict()
+    ]
+
+
 def _convertible(module: nn.Module) -> bool:
     """A PyTorch BatchNorm whose forward is still _BatchNorm's: its rule is known."""
     return isinstance(module, tuple(_INPUT_DIMS)) and type(module).forward is _BatchNorm.forward

@@ -19,10 +19,16 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, tensor, training
+from meshsplit import checkpoint, lazy_model, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
-from meshsplit.batchnorm import commit_batchnorm, convert_batchnorm, describe_batchnorm
+from meshsplit.batchnorm import (
+    batchnorm_state,
+    commit_batchnorm,
+    convert_batchnorm,
+    describe_batchnorm,
+)
 from meshsplit.data_parallel import GradientSync, shard_optimizer
+from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import recompute
 from meshsplit.memory.report import (
     MemoryReport,
@@ -46,7 +52,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def parallelize(
-    model: nn.Module,
+    model: ModelSource,
     plan: Plan,
     *,
     optimizer: OptimizerFactory | None = None,
@@ -56,16 +62,25 @@ def parallelize(
     """Split `model` over the running processes as `plan` says and return its Engine.
 
     Every rank must call this with the same model built the same way; rank 0's initial
-    parameters are broadcast so all replicas and shards start from one model. The operator
-    split follows the model's data flow and the layer split profiles it, both on one
-    micro-batch: `example_inputs` (a tensor or a dict/tuple of them), or else the first batch
-    the engine sees.
+    parameters are broadcast so all replicas and shards start from one model. `model` may
+    also be a zero-argument factory (or a model on the meta device): then each rank builds
+    only its own part, from rank 0's random stream, with the values `factory()` gives in one
+    process (see lazy_model.py). The operator split follows the model's data flow and the
+    layer split profiles it, both on one micro-batch: `example_inputs` (a tensor or a
+    dict/tuple of them), or else the first batch the engine sees.
     """
     mesh = Mesh.build(plan)
-    baseline = baseline_bytes(model, mesh.device)
+    lazy = lazy_model.is_lazy(model)
+    if lazy:
+        _share_random_stream(mesh, everywhere=True)  # every rank records the same model
+        model = lazy_model.build(model)
+        baseline = baseline_bytes(None, mesh.device)
+    else:
+        assert isinstance(model, nn.Module)
+        baseline = baseline_bytes(model, mesh.device)
+        model = model.to(mesh.device)
+        _broadcast_from_first_rank(model)
     reset_peak(mesh.device)
-    model = model.to(mesh.device)
-    _broadcast_from_first_rank(model)
     _share_random_stream(mesh)
     engine = Engine(
         plan=plan,
@@ -74,14 +89,16 @@ def parallelize(
         loss_fn=loss_fn if loss_fn is not None else nn.CrossEntropyLoss(),
         make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
         baseline_bytes=baseline,
+        lazy=lazy,
     )
     if example_inputs is not None or not engine.needs_example:
         engine.build(example_inputs)
     return engine
 
 
-def _share_random_stream(mesh: Mesh) -> None:
-    """Give the tp ranks of each group one random stream: the first tp rank's.
+def _share_random_stream(mesh: Mesh, everywhere: bool = False) -> None:
+    """Give the tp ranks of each group one random stream: the first tp rank's (`everywhere`:
+    every rank rank 0's).
 
     Every tp rank then draws the same dropout masks (and any other random numbers) in the
     replicated regions, so replicated parameters stay bit-identical across tp; the ranks
@@ -89,9 +106,11 @@ def _share_random_stream(mesh: Mesh) -> None:
     streams (usually one seed on every rank, as the caller set it). A no-op when the tp
     ranks were seeded alike.
     """
-    if mesh.size("tp") == 1:
-        return
     first, group = mesh.global_rank(tp=0), mesh.group("tp")
+    if everywhere:
+        first, group = 0, dist.distributed_c10d._get_default_group()
+    if dist.get_world_size(group) == 1:
+        return
     state = torch.get_rng_state()
     dist.broadcast(state, src=first, group=group)
     torch.set_rng_state(state)
@@ -122,6 +141,7 @@ class Engine:
         loss_fn: LossFn,
         make_optimizer: OptimizerFactory,
         baseline_bytes: int = 0,
+        lazy: bool = False,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -135,6 +155,8 @@ class Engine:
         self.operator_split: list[tensor.Decision] = []
         self.batchnorm: list[str] = []
         """Names of the BatchNorm layers whose statistics span the dp group (see batchnorm.py)."""
+        self.lazy = lazy
+        """Whether each rank builds only its part (the model came as a factory or on meta)."""
         self.baseline_bytes = baseline_bytes
         """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
@@ -161,23 +183,29 @@ class Engine:
                 "train_step/predict first"
             )
         model, plan = self.model, self.plan
+        if self.lazy:  # BatchNorm layers are rebuilt, with their values: give them values
+            lazy_model.keep(model, batchnorm_state(model), self.mesh.device)
         self.batchnorm = convert_batchnorm(model, self.mesh.group("dp"), plan.micro_batches)
-        if plan.tp > 1:
-            self.operator_split = tensor.parallelize(
-                model, self.mesh, plan.tp_plan, example=example_inputs
-            )
         blocks = piece_names(model) if plan.checkpoint in ("always", "auto") else []
         profile = None
-        if plan.checkpoint == "auto" and plan.budget_bytes is not None:
-            profile = recompute.measure_blocks(model, blocks, example_inputs)
         runner: Runner
-        if plan.pp > 1:
-            wrap = recompute.for_stages(plan.checkpoint, plan.pp)
-            runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs, wrap)
-        else:
-            runner = LocalRunner(model, self.loss_fn, plan.micro_batches)
-            if plan.checkpoint == "always":
-                recompute.recompute_blocks(model, blocks)
+        with lazy_model.while_splitting(model, self.lazy):
+            if plan.tp > 1:
+                self.operator_split = tensor.parallelize(
+                    model, self.mesh, plan.tp_plan, example=example_inputs,
+                    realize=lazy_model.realize_tree,
+                )  # fmt: skip
+            if plan.checkpoint == "auto" and plan.budget_bytes is not None:
+                profile = recompute.measure_blocks(model, blocks, example_inputs)
+            if plan.pp > 1:
+                wrap = recompute.for_stages(plan.checkpoint, plan.pp)
+                runner = PipelineRunner(model, self.mesh, plan, self.loss_fn, example_inputs, wrap)
+            else:
+                runner = LocalRunner(model, self.loss_fn, plan.micro_batches)
+        if self.lazy:
+            lazy_model.keep(model, runner.local_state_dict(), self.mesh.device)
+        if plan.pp == 1 and plan.checkpoint == "always":
+            recompute.recompute_blocks(model, blocks)
         params = list(runner.parameters())
         self._parts = _Parts(
             runner=runner,

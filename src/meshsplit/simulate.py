@@ -23,6 +23,7 @@ from torch import nn
 
 from meshsplit.batch import LossFn, rows
 from meshsplit.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.lazy_model import ModelSource
 from meshsplit.memory.estimate import MemoryEstimate, RankEstimate, find_fix
 from meshsplit.pipeline.p2p import TensorMeta
 from meshsplit.pipeline.runner import PipelineRunner
@@ -36,7 +37,7 @@ Headers = dict[int, dict[tuple[int, Any], list[TensorMeta]]]
 
 
 def estimate_memory(
-    model: nn.Module,
+    model: ModelSource,
     plan: Plan,
     batch: tuple[Any, Any],
     *,
@@ -45,7 +46,9 @@ def estimate_memory(
     timeline: bool = False,
 ) -> MemoryEstimate:
     """Predict each rank's peak live tensor bytes for one train_step of `plan` on `batch`
-    (the global (inputs, targets)), in this process; `model` is left as it was.
+    (the global (inputs, targets)), in this process; `model` is left as it was. A factory
+    (see `parallelize`) lets each simulated rank build only its part, so a model too big for
+    this process can be estimated too.
 
     With Plan.memory_budget set and a rank over it, the estimate also names the cheapest
     nearby plan that fits (`fix`); `estimate.check()` raises the PlanError.
@@ -69,7 +72,7 @@ def estimate_memory(
 
 
 def _estimate(
-    model: nn.Module,
+    model: ModelSource,
     plan: Plan,
     inputs: Any,
     targets: Any,
@@ -108,7 +111,7 @@ def _coordinates(plan: Plan) -> Iterable[tuple[int, int, int]]:
 
 
 def _simulate(
-    model: nn.Module,
+    model: ModelSource,
     plan: Plan,
     rank: int,
     inputs: Any,
@@ -125,8 +128,10 @@ def _simulate(
     rng = torch.get_rng_state()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
+        # a factory builds each simulated rank's part afresh; a model is copied whole
+        source = copy.deepcopy(model) if isinstance(model, nn.Module) else model
         with counting_only():
-            engine = parallelize(copy.deepcopy(model), plan, optimizer=optimizer, loss_fn=loss_fn)
+            engine = parallelize(source, plan, optimizer=optimizer, loss_fn=loss_fn)
         engine.prepare(inputs)
         runner = engine.runner
         if isinstance(runner, PipelineRunner):

@@ -42,25 +42,40 @@ def optimizer_need(
     shards: int = 1,
 ) -> OptimizerNeed:
     """What the optimizer will hold for `params` (1/shards under ZeRO), learnt from probe
-    steps on two sizes: bytes per element and per parameter, lasting and momentary."""
-    state, moment = [], []
-    for size in _PROBE_SIZES:
-        probe = nn.Parameter(torch.zeros(size))
-        optimizer = make_optimizer([probe])
-        probe.grad = torch.zeros_like(probe)
-        try:
-            with LiveTensors(torch.device("cpu"), _held(probe)) as tracker:
-                optimizer.step()
-        except Exception:  # an optimizer that needs a closure (LBFGS): no prediction
-            return OptimizerNeed(0, 0)
-        state.append(optimizer_bytes(optimizer))
-        moment.append(max(0, tracker.peak.bytes - 2 * probe.nbytes - state[-1]))
+    steps: state bytes per element and per parameter from one parameter of two sizes; the
+    step's momentary bytes from one parameter and from two, which tells an optimizer that
+    works on all parameters at once (foreach) from one that works on one at a time."""
+    low, high = _PROBE_SIZES
+    try:
+        one_low, state_low = _probe(make_optimizer, [low])
+        one_high, state_high = _probe(make_optimizer, [high])
+        two_low, _ = _probe(make_optimizer, [low, low])
+    except Exception:  # an optimizer that needs a closure (LBFGS): no prediction
+        return OptimizerNeed(0, 0)
     trainable = [p for p in params if p.requires_grad]
-    return OptimizerNeed(_scaled(state, trainable) // shards, _scaled(moment, trainable) // shards)
+    state = _scaled([state_low, state_high], trainable) // shards
+    per_element = (one_high - one_low) / (high - low)
+    all_at_once = two_low > 1.5 * one_low
+    sizes = [p.nbytes for p in trainable] or [0]
+    counted = sum(sizes) // shards if all_at_once else max(sizes)
+    return OptimizerNeed(state, int(per_element * counted / 4))
 
 
-def _held(probe: nn.Parameter) -> Holders:
-    return {"parameters": lambda: [probe, probe.grad if probe.grad is not None else probe]}
+def _probe(
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], sizes: list[int]
+) -> tuple[int, int]:
+    """(momentary, lasting) bytes of one step on zero parameters of `sizes` (float32)."""
+    probes = [nn.Parameter(torch.zeros(size)) for size in sizes]
+    optimizer = make_optimizer(probes)
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
+    held: Holders = {
+        "parameters": lambda: [t for p in probes for t in (p, p.grad) if t is not None]
+    }
+    with LiveTensors(torch.device("cpu"), held) as tracker:
+        optimizer.step()
+    lasting = optimizer_bytes(optimizer)
+    return max(0, tracker.peak.bytes - 2 * sum(p.nbytes for p in probes) - lasting), lasting
 
 
 def _scaled(measured: list[int], params: Sequence[nn.Parameter]) -> int:

@@ -92,11 +92,13 @@ def reset_peak(device: torch.device) -> None:
         pass
 
 
-def baseline_bytes(model: torch.nn.Module, device: torch.device) -> int:
-    """Memory held now, less the model's own tensors: the part training is not responsible for."""
+def baseline_bytes(model: torch.nn.Module | None, device: torch.device) -> int:
+    """Memory held now, less the model's own tensors (None: a model not built yet): the part
+    training is not responsible for."""
     if device.type == "cuda":
         return 0
-    return resident_bytes() - tensor_bytes(model.state_dict().values())
+    held = tensor_bytes(model.state_dict().values()) if model is not None else 0
+    return resident_bytes() - held
 
 
 def peak_bytes(device: torch.device) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,14 @@ from meshsplit.tensor.shards import local_shard
 from meshsplit.tensor.units import features
 
 __all__: list[str] = []
+
+Realize = Callable[[nn.Module], AbstractContextManager[None]]
+"""layer -> a context in which its weights are real (see `find_pairs`)."""
+
+
+def as_it_is(_: nn.Module) -> AbstractContextManager[None]:
+    return nullcontext()
+
 
 HEAD_ATTRIBUTES = (
     "num_heads",
@@ -296,7 +304,13 @@ def _leaks(trace: _Trace, pairs: list[Pair], tp: int) -> str:
 
 
 def _check(
-    model: nn.Module, trace: _Trace, row: str, columns: list[str], tp: int, accepted: list[Pair]
+    model: nn.Module,
+    trace: _Trace,
+    row: str,
+    columns: list[str],
+    tp: int,
+    accepted: list[Pair],
+    realize: Realize,
 ) -> Pair | Refusal:
     """The validated pair, or why it is not one."""
     names = (*columns, row)
@@ -312,8 +326,9 @@ def _check(
     if why:
         return Refusal(names=names, reason=why, replicate=True)
     pair = Pair(columns=parts, row=row, per_rank=tuple(per_rank))
-    bias = getattr(trace.layers[row], "bias", None)
-    expected = trace.outputs[row] - (0 if bias is None else bias)
+    with realize(trace.layers[row]):
+        bias = getattr(trace.layers[row], "bias", None)
+        expected = trace.outputs[row] - (0 if bias is None else bias)
     try:
         partials = [_simulate_rank(trace, pair, r, tp, accepted) for r in range(tp)]
         torch.testing.assert_close(torch.stack(partials).sum(0), expected, rtol=1e-5, atol=1e-6)
@@ -329,9 +344,16 @@ def _check(
 
 
 def find_pairs(
-    model: nn.Module, example: Any, layers: Mapping[str, nn.Module], tp: int
+    model: nn.Module,
+    example: Any,
+    layers: Mapping[str, nn.Module],
+    tp: int,
+    realize: Realize = as_it_is,
 ) -> tuple[list[Pair], list[Refusal]]:
-    """The exact column/row pairs among `layers` (Linear or Conv1D), and the refused ones."""
+    """The exact column/row pairs among `layers` (Linear or Conv1D), and the refused ones.
+
+    `realize(layer)` holds a layer's weights while they are read outside its forward (a model
+    built in parts keeps them elsewhere)."""
     training = model.training
     model.eval()
     try:
@@ -346,7 +368,7 @@ def find_pairs(
                 if taken & {*columns, row}:
                     continue
                 taken.update(columns, [row])
-                checked = _check(model, trace, row, columns, tp, pairs)
+                checked = _check(model, trace, row, columns, tp, pairs, realize)
                 if isinstance(checked, Pair):
                     pairs.append(checked)
                 else:

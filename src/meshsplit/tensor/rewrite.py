@@ -51,7 +51,7 @@ from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import split_heads
 from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
-from meshsplit.tensor.dataflow import find_pairs, head_counts
+from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
@@ -160,7 +160,9 @@ def _pair(
     row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
 
 
-def _data_flow(model: nn.Module, example: Any, units: list[Unit], tp: int) -> None:
+def _data_flow(
+    model: nn.Module, example: Any, units: list[Unit], tp: int, realize: Realize
+) -> None:
     """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`."""
     free = [u for u in units if u.kind == "linear" and not u.split and u.tied is None]
     for unit in free:  # the data flow replaces Sequential neighbours for these layers
@@ -170,7 +172,7 @@ def _data_flow(model: nn.Module, example: Any, units: list[Unit], tp: int) -> No
             feeder.after = None
         unit.after, unit.feeders = None, []
     by_name = {unit.name: unit for unit in free}
-    pairs, refused = find_pairs(model, example, {u.name: u.module for u in free}, tp)
+    pairs, refused = find_pairs(model, example, {u.name: u.module for u in free}, tp, realize)
     for pair in pairs:
         columns = [by_name[name] for name in pair.columns]
         _pair(columns, by_name[pair.row], pair.columns, pair.per_rank, "data flow")
@@ -256,7 +258,12 @@ def _working(sizes: list[int]) -> str:
 
 
 def plan_splits(
-    model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None = None, *, example: Any = None
+    model: nn.Module,
+    tp: int,
+    tp_plan: Mapping[str, str] | None = None,
+    *,
+    example: Any = None,
+    realize: Realize = as_it_is,
 ) -> list[Decision]:
     """Decide every layer's split for `tp` ranks without processes (raises PlanError).
 
@@ -270,7 +277,7 @@ def plan_splits(
     if tp > 1:
         _model_plan(model, by_name, tp)
         if example is not None:
-            _data_flow(model, example, units, tp)
+            _data_flow(model, example, units, tp, realize)
     _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
@@ -337,15 +344,18 @@ def parallelize(
     tp_plan: Mapping[str, str] | None = None,
     *,
     example: Any = None,
+    realize: Realize = as_it_is,
 ) -> list[Decision]:
     """Split `model` in place over the tp group; every tp rank must call it on the same model.
 
     Returns one Decision per layer with parameters, in model order. Tied layers end up holding
     one shared shard parameter; the per-rank head counts the row layers name are divided.
+    `realize(layer)` holds the layer's weights while its shard is cut from them (a model each
+    rank builds in parts keeps them elsewhere).
     """
     group = tp_group(mesh)
     tp = dist.get_world_size(group)
-    decisions = plan_splits(model, tp, tp_plan, example=example)
+    decisions = plan_splits(model, tp, tp_plan, example=example, realize=realize)
     shards: dict[int, Any] = {}
     copies = InputCopies()  # columns reading one tensor enter the region through one copy
     for decision in decisions:
@@ -354,9 +364,10 @@ def parallelize(
         parent_name, _, child_name = decision.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         original = parent.get_submodule(child_name)
-        split = _split_module(original, decision, group)
+        key = id(getattr(original, "weight", None))  # the tie, before realize lends copies
+        with realize(original):
+            split = _split_module(original, decision, group)
         if decision.tied:
-            key = id(original.weight)
             split.weight = shards.setdefault(key, split.weight)
         if decision.split == "column":
             split.input_copies = copies  # type: ignore[assignment]

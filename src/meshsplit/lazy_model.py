@@ -1,0 +1,183 @@
+"""A model each rank builds only its part of: from a factory, or a model on the meta device.
+
+A factory is recorded (`deferred.record`): every rank gets the model on the meta device,
+with how each parameter gets its values. While the split looks at the model — runs it on
+one micro-batch, copies a layer's weight into this rank's shard — each module is given its
+real values only while it is looked at (`streaming`, `realize`), so at most the modules on
+the call stack are real. Then the rank materialises what it keeps (`keep`): its stage, its
+shards' replicated neighbours. The values are those of `factory()` run in one process.
+
+A model built on the meta device without a recording has no values to reproduce: each
+module gets the ones its `reset_parameters()` draws, as FSDP2 does, the same on every rank
+because every rank draws in the same order from one seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshsplit import deferred
+
+__all__: list[str] = []
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+"""What parallelize takes: a model, a model on the meta device, or a zero-argument factory."""
+
+
+def is_lazy(source: ModelSource) -> bool:
+    """Whether the model is built rank by rank (a factory, or parameters on the meta device)."""
+    if not isinstance(source, nn.Module):
+        return True
+    return any(t.is_meta for t in [*source.parameters(), *source.buffers()])
+
+
+def build(source: ModelSource) -> nn.Module:
+    """The model with its tensors on the meta device (a factory is recorded)."""
+    if isinstance(source, nn.Module):
+        return source
+    return deferred.record(source)
+
+
+def _own(module: nn.Module) -> list[torch.Tensor]:
+    return [*module._parameters.values(), *module._buffers.values()]  # type: ignore[list-item]
+
+
+@contextmanager
+def realize(module: nn.Module, *, lend_copies: bool = False) -> Iterator[None]:
+    """`module`'s own parameters and buffers real while the body runs.
+
+    In place by default: the same tensor objects hold the values (ties and anything that
+    knows a parameter by identity see them), and go back to meta after. `lend_copies`: new
+    tensor objects on the real values take the module's places instead, and the meta ones
+    come back after; whatever still holds the copies (autograd's graph, for a backward to
+    come) frees them with itself.
+    """
+    pending = {name: t for name, t in _own_items(module) if t is not None and t.is_meta}
+    if not pending:
+        yield
+        return
+    if not lend_copies:
+        with _real_values(module):
+            yield
+        return
+    with _real_values(module):
+        real = {name: _detached(tensor) for name, tensor in pending.items()}
+    _install(module, real)
+    try:
+        yield
+    finally:
+        _install(module, pending)
+
+
+@contextmanager
+def realize_tree(module: nn.Module) -> Iterator[None]:
+    """`module` and everything below it real while the body runs (in place), meta after:
+    one layer being cut into shards, such as an attention block and its projections."""
+    with ExitStack() as stack:
+        for inner in module.modules():
+            stack.enter_context(realize(inner))
+        yield
+
+
+@contextmanager
+def _real_values(module: nn.Module) -> Iterator[None]:
+    """The module's own meta tensors real, in place, for the body; meta again after."""
+    if deferred.is_recorded(module):
+        with deferred.borrowed(module):
+            yield
+        return
+    _reset(module)
+    try:
+        yield
+    finally:
+        module.to_empty(device="meta", recurse=False)
+
+
+def _own_items(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
+    return [*module._parameters.items(), *module._buffers.items()]
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on the same storage (a Parameter if `tensor` is one)."""
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
+    return tensor.detach()
+
+
+def _install(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        if name in module._parameters:
+            module._parameters[name] = tensor  # type: ignore[assignment]
+        else:
+            module._buffers[name] = tensor
+
+
+def _reset(module: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Real storage for an unrecorded meta module's own tensors, drawn by reset_parameters."""
+    module.to_empty(device=device, recurse=False)
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        with torch.no_grad():
+            reset()
+
+
+@contextmanager
+def streaming(model: nn.Module) -> Iterator[None]:
+    """Each module real only while its forward runs in the body. With autograd on, the
+    module lends copies (realize), so what the graph saved lives as long as the graph."""
+    open_: dict[int, list[AbstractContextManager[None]]] = {}
+
+    def before(module: nn.Module, args: Any) -> None:
+        context = realize(module, lend_copies=torch.is_grad_enabled())
+        context.__enter__()
+        open_.setdefault(id(module), []).append(context)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        open_[id(module)].pop().__exit__(None, None, None)
+
+    holders = [m for m in model.modules() if any(t is not None for t in _own(m))]
+    hooks = [
+        handle
+        for module in holders
+        for handle in (
+            module.register_forward_pre_hook(before),
+            module.register_forward_hook(after, always_call=True),
+        )
+    ]
+    try:
+        yield
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def keep(model: nn.Module, names: Iterable[str], device: torch.device) -> None:
+    """Materialise, on `device`, the named state of `model` still on meta, and the buffers no
+    state dict holds (rotary tables: every stage runs the modules between the pieces)."""
+    wanted = set(names) | (dict(model.named_buffers()).keys() - model.state_dict().keys())
+    if deferred.is_recorded(model):
+        deferred.materialize(model, [n for n in wanted if _is_meta(model, n)], device)
+    for prefix, owner in model.named_modules(remove_duplicate=False):
+        state = [
+            f"{prefix}.{name}" if prefix else name
+            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+            if tensor is not None and tensor.is_meta
+        ]
+        if any(name in wanted for name in state):
+            _reset(owner, device)
+
+
+def _is_meta(model: nn.Module, name: str) -> bool:
+    owner_name, _, attr = name.rpartition(".")
+    tensor = getattr(model.get_submodule(owner_name), attr)
+    return isinstance(tensor, torch.Tensor) and tensor.is_meta
+
+
+def while_splitting(model: nn.Module, lazy: bool) -> AbstractContextManager[None]:
+    """The context the split runs in: streaming for a lazy model, nothing otherwise."""
+    return streaming(model) if lazy else nullcontext()
