@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import FACTORIES, KINDS
 from torch import nn
 
 import meshsplit as ms
+
+from hf_models import FACTORIES, KINDS
 
 pytestmark = pytest.mark.timeout(600)
 
