@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from meshsplit.memory.tracker import CATEGORIES, Sample, describe_breakdown, format_bytes
+from meshsplit.memory.tracker import Sample, describe_breakdown, format_bytes
 from meshsplit.plan import Plan, PlanError
 
 __all__ = ["MemoryEstimate", "RankEstimate"]
@@ -158,7 +158,3 @@ def find_fix(
         f"No nearby plan fits: the smallest per-rank need found is "
         f"{format_bytes(best[0])} (with {best[1]}); raise the budget or use more devices."
     )
-
-
-def empty_breakdown() -> dict[str, int]:
-    return dict.fromkeys(CATEGORIES, 0)
