@@ -136,3 +136,17 @@ def shard_optimizer(
     return ZeroRedundancyOptimizer(
         params, optimizer_class=type(probe), process_group=group, **settings
     )
+
+
+def gather_rows(mine: Any, replica_rows: list[int], group: dist.ProcessGroup) -> Any:
+    """The dp replicas' row slices of one output tensor, concatenated on every rank (the
+    replicas may hold different row counts: the first holds the most)."""
+    if not isinstance(mine, torch.Tensor) or mine.dim() == 0:
+        return mine
+    longest = replica_rows[0]
+    padded = mine.new_zeros((longest, *mine.shape[1:]))
+    padded[: len(mine)] = mine
+    gathered = mine.new_empty((len(replica_rows) * longest, *mine.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    pieces = gathered.split(longest)
+    return torch.cat([p[:n] for p, n in zip(pieces, replica_rows, strict=True)])

@@ -27,7 +27,7 @@ from meshsplit.batchnorm import (
     convert_batchnorm,
     describe_batchnorm,
 )
-from meshsplit.data_parallel import GradientSync, shard_optimizer
+from meshsplit.data_parallel import GradientSync, gather_rows, shard_optimizer
 from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import recompute
 from meshsplit.memory.report import (
@@ -45,6 +45,7 @@ from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
 from meshsplit.rank_memory import RankMemory
 from meshsplit.runner import LocalRunner, Runner
+from meshsplit.start import broadcast_from_first_rank, share_random_stream
 
 __all__ = ["Engine", "parallelize"]
 
@@ -72,16 +73,16 @@ def parallelize(
     mesh = Mesh.build(plan)
     lazy = lazy_model.is_lazy(model)
     if lazy:
-        _share_random_stream(mesh, everywhere=True)  # every rank records the same model
+        share_random_stream(mesh, everywhere=True)  # every rank records the same model
         model = lazy_model.build(model)
         baseline = baseline_bytes(None, mesh.device)
     else:
         assert isinstance(model, nn.Module)
         baseline = baseline_bytes(model, mesh.device)
         model = model.to(mesh.device)
-        _broadcast_from_first_rank(model)
+        broadcast_from_first_rank(model)
     reset_peak(mesh.device)
-    _share_random_stream(mesh)
+    share_random_stream(mesh)
     engine = Engine(
         plan=plan,
         mesh=mesh,
@@ -94,39 +95,6 @@ def parallelize(
     if example_inputs is not None or not engine.needs_example:
         engine.build(example_inputs)
     return engine
-
-
-def _share_random_stream(mesh: Mesh, everywhere: bool = False) -> None:
-    """Give the tp ranks of each group one random stream: the first tp rank's (`everywhere`:
-    every rank rank 0's).
-
-    Every tp rank then draws the same dropout masks (and any other random numbers) in the
-    replicated regions, so replicated parameters stay bit-identical across tp; the ranks
-    stay in step because each draws the same amounts. dp replicas and stages keep their own
-    streams (usually one seed on every rank, as the caller set it). A no-op when the tp
-    ranks were seeded alike.
-    """
-    first, group = mesh.global_rank(tp=0), mesh.group("tp")
-    if everywhere:
-        first, group = 0, dist.distributed_c10d._get_default_group()
-    if dist.get_world_size(group) == 1:
-        return
-    state = torch.get_rng_state()
-    dist.broadcast(state, src=first, group=group)
-    torch.set_rng_state(state)
-    if mesh.device.type == "cuda":
-        device_state = torch.cuda.get_rng_state().to(mesh.device)
-        dist.broadcast(device_state, src=first, group=group)
-        torch.cuda.set_rng_state(device_state.cpu())
-
-
-def _broadcast_from_first_rank(model: nn.Module) -> None:
-    """Make every rank start from rank 0's parameters and buffers."""
-    if dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
 
 
 class Engine:
@@ -290,19 +258,8 @@ class Engine:
         if self.plan.dp == 1:
             return output
         replica_rows = [rows(part) for part in split_rows(inputs, self.plan.dp)]
-        return pytree.tree_map(lambda t: self._gather_rows(t, replica_rows), output)
-
-    def _gather_rows(self, mine: Any, replica_rows: list[int]) -> Any:
-        """The replicas' row slices of one output tensor, concatenated on every rank."""
-        if not isinstance(mine, torch.Tensor) or mine.dim() == 0:
-            return mine
-        longest = replica_rows[0]
-        padded = mine.new_zeros((longest, *mine.shape[1:]))
-        padded[: len(mine)] = mine
-        gathered = mine.new_empty((self.plan.dp * longest, *mine.shape[1:]))
-        dist.all_gather_into_tensor(gathered, padded, group=self.mesh.group("dp"))
-        pieces = gathered.split(longest)
-        return torch.cat([p[:n] for p, n in zip(pieces, replica_rows, strict=True)])
+        group = self.mesh.group("dp")
+        return pytree.tree_map(lambda t: gather_rows(t, replica_rows, group), output)
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any, batch_size: int = 512) -> dict[str, float]:
