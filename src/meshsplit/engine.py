@@ -137,8 +137,7 @@ class Engine:
         """Whether splitting waits for a micro-batch (operator split by data flow, profiling,
         recompute chosen from what each block saves)."""
         plan = self.plan
-        auto = plan.checkpoint == "auto" and plan.budget_bytes is not None
-        return plan.pp > 1 or plan.tp > 1 or auto
+        return plan.pp > 1 or plan.tp > 1 or plan.chooses_recompute
 
     def build(self, example_inputs: Any) -> _Parts:
         """Split the model and create this rank's runner, gradient sync and optimizer (once)."""
@@ -163,7 +162,7 @@ class Engine:
                     model, self.mesh, plan.tp_plan, example=example_inputs,
                     realize=lazy_model.realize_tree,
                 )  # fmt: skip
-            if plan.checkpoint == "auto" and plan.budget_bytes is not None:
+            if plan.chooses_recompute:
                 profile = recompute.measure_blocks(model, blocks, example_inputs)
             if plan.pp > 1:
                 wrap = recompute.for_stages(plan.checkpoint, plan.pp)

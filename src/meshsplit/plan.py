@@ -113,6 +113,11 @@ class Plan:
         return parse_bytes(self.memory_budget, "Plan.memory_budget")
 
     @property
+    def chooses_recompute(self) -> bool:
+        """Whether recompute is picked to fit a budget ('auto' with memory_budget set)."""
+        return self.checkpoint == "auto" and self.memory_budget is not None
+
+    @property
     def world_size(self) -> int:
         """Processes this plan needs."""
         return self.dp * self.pp * self.tp
