@@ -29,6 +29,7 @@ from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.pipeline.schedules import max_in_flight, schedule
 from meshsplit.plan import Plan, PlanError
 from meshsplit.runner import Runner
+from meshsplit.tensor.collectives import staging
 
 __all__: list[str] = []
 
@@ -120,11 +121,12 @@ class RankMemory:
         if not (self.track or budget is not None):
             yield
             return
+        tp_staging = staging(self.mesh.group("tp"))
         holders: Holders = {
             "parameters": lambda: runner.local_state_dict().values(),
             "gradients": lambda: (bucket.flat for bucket in sync.buckets),
             "optimizer": lambda: optimizer_tensors(optimizer),
-            "buffers": runner.communication_buffers,
+            "buffers": lambda: [*runner.communication_buffers(), *tp_staging.buffers],
         }
         tracker = LiveTensors(
             device, holders, budget=budget, where=where, timeline=self.timeline is not None

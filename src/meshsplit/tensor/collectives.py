@@ -13,33 +13,98 @@ below crosses that boundary in one direction and is the other's transpose in bac
 
 Every rank receives the same bits from an all-reduce or an all-gather, so whatever follows a
 region boundary (norms, biases, replicated layers) computes the same values and gradients on
-every tp rank. The group is passed in; nothing here reaches for a global.
+every tp rank. The group is passed in; nothing here reaches for a global group.
+
+Collectives run in `Staging` buffers kept per group, never in a tensor the model goes on
+using: a gloo collective's worker thread lets go of the tensors it touched a moment after the
+caller's wait returns, so a fresh tensor handed to it would be freed at a time that depends on
+thread scheduling. In staging buffers, which live as long as the group, every tensor the
+model sees is freed by the model itself, and a step holds the same bytes each time it runs
+(the bytes `ms.estimate_memory` predicts).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["InputCopies", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp"]
+__all__ = [
+    "InputCopies",
+    "Staging",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "scatter_to_tp",
+    "staging",
+]
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum over `group` into a fresh tensor (autograd may share the input with other nodes)."""
-    total = tensor.contiguous().clone()
-    dist.all_reduce(total, group=group)
-    return total
+class Staging:
+    """Flat buffers, one per (dtype, device), that a group's collectives run in.
+
+    Each grows to the largest collective it has carried and is then reused; `buffers` lists
+    them for memory accounting (they are communication buffers, like the pipeline's pools).
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def area(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat tensor of `numel` elements of `like`'s dtype and device, valid until reuse."""
+        key = (like.dtype, like.device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = self._flat[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return flat[:numel]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._flat.values())
 
 
-def all_gather_along(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's equal-sized `tensor` along `dim`, in rank order (no autograd)."""
+_STAGING: weakref.WeakKeyDictionary[dist.ProcessGroup, Staging] = weakref.WeakKeyDictionary()
+
+
+def staging(group: dist.ProcessGroup) -> Staging:
+    """The staging buffers of `group` (made on first use, gone with the group)."""
+    found = _STAGING.get(group)
+    if found is None:
+        found = _STAGING[group] = Staging()
+    return found
+
+
+def all_reduce_fresh(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Reduce over `group` into a fresh tensor (autograd may share the input with other nodes)."""
+    shaped = staging(group).area(tensor.numel(), tensor).view(tensor.shape)
+    shaped.copy_(tensor)
+    dist.all_reduce(shaped, op=op, group=group)
+    return shaped.clone()
+
+
+def all_gather_along(
+    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, *, staged: bool = True
+) -> torch.Tensor:
+    """Concatenate every rank's equal-sized `tensor` along `dim`, in rank order (no autograd).
+
+    `staged=False` gathers into fresh buffers, for one-off gathers (a checkpoint's whole
+    weights) that should not leave a staging buffer of their size behind.
+    """
     size = dist.get_world_size(group)
     if size == 1:
         return tensor
-    rows = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_single(rows, tensor.contiguous(), group=group)
+    n, stacked = tensor.numel(), (size * tensor.shape[0], *tensor.shape[1:])
+    if staged:
+        area = staging(group).area((size + 1) * n, tensor)
+        rows, mine = area[: size * n].view(stacked), area[size * n :].view(tensor.shape)
+        mine.copy_(tensor)
+    else:
+        rows, mine = tensor.new_empty(stacked), tensor.contiguous()
+    dist.all_gather_single(rows, mine, group=group)
     return torch.cat(rows.chunk(size), dim=dim)
 
 
@@ -62,13 +127,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce_fresh(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return all_reduce_fresh(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

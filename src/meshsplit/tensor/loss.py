@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshsplit.tensor.collectives import reduce_from_tp
+from meshsplit.tensor.collectives import all_reduce_fresh, reduce_from_tp
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -26,8 +26,7 @@ def vocab_parallel_cross_entropy(
     """Mean cross-entropy of logits (..., V/tp), split by vocabulary block, against ids (...)."""
     rows = logits.shape[-1]
     start = dist.get_rank(group) * rows
-    peak = logits.detach().amax(dim=-1)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    peak = all_reduce_fresh(logits.detach().amax(dim=-1), group, op=dist.ReduceOp.MAX)
     shifted = logits - peak.unsqueeze(-1)
     total = reduce_from_tp(shifted.exp().sum(dim=-1), group)
     local = targets - start

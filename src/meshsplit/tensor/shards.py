@@ -118,5 +118,5 @@ def unshard_tensor(
     shard: torch.Tensor, dim: int, parts: int, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """The whole tensor from every tp rank's `shard` (all-gather, then fused parts reordered)."""
-    gathered = all_gather_along(shard, dim, group)
+    gathered = all_gather_along(shard, dim, group, staged=False)
     return _reassemble(gathered, dim, parts, dist.get_world_size(group))
