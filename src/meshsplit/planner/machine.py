@@ -1,0 +1,92 @@
+"""What a machine's links and cores cost, as numbers the planner's pure cost model reads.
+
+A `Link` is the alpha-beta model of one collective over one group size: `alpha_s` seconds
+to start plus `nbytes / bytes_per_s`, with `nbytes` the payload this rank contributes (as
+`traffic.py` counts it). A `Machine` holds one Link per (operation, group size), the cores
+the workers share and how fast a worker computes when several run at once. `calibrate.py`
+measures one on the real backend; tests build them from made-up numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__: list[str] = []
+
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+"""The collectives the cost model prices. send_recv: one message between two ranks."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Seconds for one collective: alpha_s + nbytes / bytes_per_s."""
+
+    alpha_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes / self.bytes_per_s if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Links per operation and group size, and how workers share the compute.
+
+    `links[operation][group_size]`; a group size not measured is priced by the nearest
+    measured one (the cost of a ring grows slowly with its size). `cores` is what the
+    workers share on one host (None: each worker has its own device, as on a GPU node).
+    `compute_slowdown[workers]` is how much longer a worker's compute takes when `workers`
+    run at once (1.0 for one; on a 2-core host about workers / 2 past two).
+    """
+
+    name: str
+    links: dict[str, dict[int, Link]]
+    cores: int | None = None
+    compute_slowdown: dict[int, float] = field(default_factory=dict)
+
+    def link(self, operation: str, group_size: int) -> Link:
+        sizes = self.links[operation]
+        nearest = min(sizes, key=lambda size: (abs(size - group_size), -size))
+        return sizes[nearest]
+
+    def seconds(self, operation: str, group_size: int, nbytes: float) -> float:
+        """One collective of `nbytes` (this rank's payload) over `group_size` ranks."""
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        return self.link(operation, group_size).seconds(nbytes)
+
+    def slowdown(self, workers: int) -> float:
+        """Compute-time factor with `workers` busy at once (measured, else cores-based)."""
+        if workers in self.compute_slowdown:
+            return self.compute_slowdown[workers]
+        if self.cores is None:
+            return 1.0
+        return max(1.0, workers / self.cores)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "cores": self.cores,
+            "compute_slowdown": {str(k): v for k, v in self.compute_slowdown.items()},
+            "links": {
+                op: {str(size): asdict(link) for size, link in sizes.items()}
+                for op, sizes in self.links.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Machine:
+        return cls(
+            name=data["name"],
+            cores=data.get("cores"),
+            compute_slowdown={int(k): float(v) for k, v in data["compute_slowdown"].items()},
+            links={
+                op: {int(size): Link(**link) for size, link in sizes.items()}
+                for op, sizes in data["links"].items()
+            },
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
