@@ -14,11 +14,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshsplit import compare_report, data, memory_view, models, tensor
+from meshsplit import compare_report, data, memory_view, models, tensor, timeline
 from meshsplit.checkpoint import CheckpointError
 from meshsplit.compare import CompareConfig
 from meshsplit.compare import compare as run_comparison
-from meshsplit.engine import parallelize
+from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
 from meshsplit.simulate import estimate_memory
@@ -88,8 +88,21 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     )
     scores = history[-1] if history else {"test_accuracy": engine.evaluate(*test)["accuracy"]}
     memory = engine.memory_report().as_dict()
+    if options["timeline"] is not None:
+        first = (train_data[0][: options["batch_size"]], train_data[1][: options["batch_size"]])
+        _write_timeline(engine, first, options["timeline"])
     engine.close()
     return {"history": history, "memory": memory, "test_accuracy": scores["test_accuracy"]}
+
+
+def _write_timeline(engine: Engine, batch: tuple[Any, Any], directory: Path) -> None:
+    """One more step, recorded on every rank; rank 0 writes timeline.json and timeline.png."""
+    events = timeline.record_step(engine, *batch)
+    if engine.mesh.is_first_rank:
+        directory.mkdir(parents=True, exist_ok=True)
+        timeline.write_chrome_trace(events, directory / "timeline.json")
+        title = f"one training step, {engine.plan.describe()}"
+        timeline.draw_gantt(events, directory / "timeline.png", title=title)
 
 
 def operator_split_table(rows: list[dict[str, str]]) -> Table:
@@ -168,6 +181,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the latest checkpoint in --checkpoint-dir",
     )
+    train.add_argument(
+        "--timeline",
+        type=Path,
+        metavar="DIR",
+        help="after training, record one extra step (the first batch) on every rank: "
+        "DIR/timeline.json (Chrome trace, for Perfetto) and DIR/timeline.png (Gantt)",
+    )
     compare = commands.add_parser(
         "compare", help="run every plan that fits N workers, side by side"
     )
@@ -223,6 +243,7 @@ def train(args: argparse.Namespace) -> None:
         "seed": args.seed,
         "checkpoint_dir": args.checkpoint_dir,
         "resume": args.resume,
+        "timeline": args.timeline,
     }
     results = launch(_train_worker, plan.world_size, args=(options,))
     history = results[0]["history"]
@@ -242,6 +263,8 @@ def train(args: argparse.Namespace) -> None:
     )
     if args.metrics_out:
         args.metrics_out.write_text(json.dumps(metrics, indent=2))
+    if args.timeline:
+        Console().print(f"wrote {args.timeline / 'timeline.json'} and timeline.png beside it")
 
 
 def compare(args: argparse.Namespace) -> None:

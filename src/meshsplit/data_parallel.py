@@ -5,11 +5,13 @@ accumulates straight into the buffer and the all-reduce needs no copy. Buckets a
 in reverse parameter order (the order backward produces gradients), and a bucket's
 all-reduce starts, asynchronously, as soon as its last gradient of the step has arrived.
 The loss is pre-scaled by each replica's share of the global batch, so the sum over dp is
-the gradient of the global-batch loss.
+the gradient of the global-batch loss. Waiting for a bucket is marked ("all-reduce wait",
+phases.waiting) so a timeline shows how much of the sync backward did not hide.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshsplit.phases import waiting
 
 __all__: list[str] = []
 
@@ -79,12 +83,13 @@ class GradientSync:
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce; reduce now those a parameter never reached."""
-        for bucket in self.buckets:
+        for index, bucket in enumerate(self.buckets):
             if self.active:
-                if bucket.work is None:
-                    dist.all_reduce(bucket.flat, group=self.group)
-                else:
-                    bucket.work.wait()
+                with waiting("all-reduce wait", functools.partial(_bucket_args, index, bucket)):
+                    if bucket.work is None:
+                        dist.all_reduce(bucket.flat, group=self.group)
+                    else:
+                        bucket.work.wait()
             bucket.work = None
             bucket.arrivals = 0
             for p, view in zip(bucket.params, bucket.views, strict=True):
@@ -102,6 +107,16 @@ class GradientSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def _bucket_args(index: int, bucket: _Bucket) -> dict[str, Any]:
+    """An all-reduce wait's args (built only for a clock): which bucket, its bytes, and
+    whether its all-reduce started during backward (else it ran whole in the wait)."""
+    return {
+        "bucket": index,
+        "bytes": bucket.flat.numel() * bucket.flat.element_size(),
+        "overlapped": bucket.work is not None,
+    }
 
 
 def _chunks(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:

@@ -1,20 +1,48 @@
 """The named phases of a training step ("forward, micro-batch 3", "optimizer step").
 
 Runners and the engine say which phase they are in; whoever watches memory reads the
-current phase to label a peak and hears when a phase ends to check a budget there. It sits
+current phase to label a peak and hears when a phase ends to check a budget there. Waits
+for other ranks ("p2p wait", "all-reduce wait") are marked too, for a clock only: they are
+no phase of their own, so memory labels and budget checks stay those of the enclosing
+phase. A clock (see timeline.py) hears every phase and wait with its start and end. It sits
 below every axis so each can name its phases without knowing who listens; with nobody
-listening a phase costs two list operations.
+listening a phase costs a few list operations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 __all__: list[str] = []
 
+
+@dataclass(frozen=True)
+class Span:
+    """One phase or wait as a clock hears it: its times in the clock's seconds, and how many
+    phases enclosed it."""
+
+    name: str
+    start: float
+    end: float
+    depth: int
+    wait: bool = False
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+class Clock(Protocol):
+    """Tells the time (it may first let a device finish its queued work) and hears spans."""
+
+    def now(self) -> float: ...
+
+    def hear(self, span: Span) -> None: ...
+
+
 _stack: list[str] = []
 _listeners: list[Callable[[str], None]] = []
+_clocks: list[Clock] = []
 _failed: list[str] = []
 
 
@@ -26,6 +54,7 @@ def current() -> str:
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """Run the body as phase `name`; listeners hear its name when it ends without error."""
+    start = _clocks[-1].now() if _clocks else None
     _stack.append(name)
     try:
         yield
@@ -35,8 +64,26 @@ def phase(name: str) -> Iterator[None]:
         raise
     finally:
         _stack.pop()
+    if start is not None and _clocks:
+        _hear(Span(name, start, _clocks[-1].now(), len(_stack)))
     for listener in list(_listeners):
         listener(name)
+
+
+@contextmanager
+def waiting(name: str, details: Callable[[], dict[str, Any]] | None = None) -> Iterator[None]:
+    """Mark the body as a wait for other ranks; clocks hear it with `details()` as its args
+    (called only when a clock listens). The current phase stays the enclosing one."""
+    start = _clocks[-1].now() if _clocks else None
+    yield
+    if start is not None and _clocks:
+        args = details() if details is not None else {}
+        _hear(Span(name, start, _clocks[-1].now(), len(_stack), wait=True, args=args))
+
+
+def _hear(span: Span) -> None:
+    for clock in list(_clocks):
+        clock.hear(span)
 
 
 def failed_in() -> str:
@@ -54,3 +101,13 @@ def listening(listener: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         _listeners.remove(listener)
+
+
+@contextmanager
+def clocked(clock: Clock) -> Iterator[None]:
+    """Let `clock` hear every phase and wait that ends without error while the body runs."""
+    _clocks.append(clock)
+    try:
+        yield
+    finally:
+        _clocks.remove(clock)

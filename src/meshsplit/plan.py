@@ -151,6 +151,10 @@ class Plan:
             text += f" m{self.micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}"
+        if self.checkpoint != "never":
+            text += f" recompute={self.checkpoint}"
+        if self.zero:
+            text += " zero"
         return text
 
     def as_dict(self) -> dict[str, object]:

@@ -6,17 +6,20 @@ message under a given key (the micro-batch's input signature), it puts a header 
 once, remembers it under the same key, and from then on receives straight into buffers from
 a pool, so a step allocates nothing new once the pool is warm. Sends are asynchronous (the
 caller keeps the works and the tensors alive until they finish); receives block, bounded by
-the process group's timeout.
+the process group's timeout. Both waits are marked ("p2p wait", phases.waiting) so a
+timeline shows where a stage sits idle for its peers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshsplit.phases import waiting
 
 __all__: list[str] = []
 
@@ -105,10 +108,13 @@ class Sending:
 
     works: list[Any]
     tensors: list[torch.Tensor]
+    peers: list[int] = field(default_factory=list)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        if self.works:
+            with waiting("p2p wait, send", lambda: _traffic(self.peers, self.tensors)):
+                for work in self.works:
+                    work.wait()
         self.works, self.tensors = [], []
 
 
@@ -155,7 +161,8 @@ class Exchange:
                 data = data.clone() if self.pool.owns(data) else data.contiguous()
                 ops.append(dist.P2POp(dist.isend, data, peer))
                 keep.append(data)
-        return Sending(works=dist.batch_isend_irecv(ops) if ops else [], tensors=keep)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Sending(works=works, tensors=keep, peers=[peer for peer, _ in messages])
 
     def receive(self, peers: list[int], key: Hashable) -> list[Received]:
         """One message from each peer, into pool buffers; learns its header the first time."""
@@ -187,10 +194,21 @@ class Exchange:
         return received
 
     def _wait(self, receives: list[tuple[int, torch.Tensor]]) -> None:
-        if receives:
+        if not receives:
+            return
+        peers, tensors = [peer for peer, _ in receives], [t for _, t in receives]
+        with waiting("p2p wait, receive", lambda: _traffic(peers, tensors)):
             ops = [dist.P2POp(dist.irecv, tensor, peer) for peer, tensor in receives]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+
+def _traffic(peers: list[int], tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """A wait's args (built only for a clock): the global ranks it waited for, the bytes."""
+    return {
+        "peers": sorted(set(peers)),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+    }
 
 
 def broadcast_tensor(

@@ -45,6 +45,8 @@ class Machine:
     links: dict[str, dict[int, Link]]
     cores: int | None = None
     compute_slowdown: dict[int, float] = field(default_factory=dict)
+    flop_per_s: float | None = None
+    """Paper mode: compute is priced as FLOPs at this rate instead of this host's timings."""
 
     def link(self, operation: str, group_size: int) -> Link:
         sizes = self.links[operation]
@@ -70,6 +72,7 @@ class Machine:
             "name": self.name,
             "cores": self.cores,
             "compute_slowdown": {str(k): v for k, v in self.compute_slowdown.items()},
+            "flop_per_s": self.flop_per_s,
             "links": {
                 op: {str(size): asdict(link) for size, link in sizes.items()}
                 for op, sizes in self.links.items()
@@ -82,6 +85,7 @@ class Machine:
             name=data["name"],
             cores=data.get("cores"),
             compute_slowdown={int(k): float(v) for k, v in data["compute_slowdown"].items()},
+            flop_per_s=data.get("flop_per_s"),
             links={
                 op: {int(size): Link(**link) for size, link in sizes.items()}
                 for op, sizes in data["links"].items()

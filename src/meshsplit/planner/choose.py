@@ -1,0 +1,193 @@
+"""`choose_plan`: measure the model once, price every plan for N devices, rank and explain.
+
+The model is measured in this process (`measure.py`), the machine's links come from the
+calibration cache (or a cluster file in paper mode), every plan is priced (`search.py`),
+and the fastest few are given the exact per-rank memory estimate of `simulate.py` (the
+rest keep the cost model's memory). A plan whose estimate passes the budget moves to the
+infeasible list with the estimate's numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from meshsplit.batch import LossFn
+from meshsplit.engine import OptimizerFactory
+from meshsplit.launch import threads_per_worker
+from meshsplit.plan import Plan, PlanError, divisors
+from meshsplit.planner.cost import Prediction
+from meshsplit.planner.explain import reason
+from meshsplit.planner.machine import Machine
+from meshsplit.planner.measure import measure_workload
+from meshsplit.planner.search import search
+from meshsplit.simulate import estimate_memory
+
+__all__ = ["PlanReport", "PlanRow", "choose_plan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    """One feasible plan as the planner sees it."""
+
+    plan: Plan
+    step_time_s: float
+    peak_bytes: list[int]
+    """Predicted peak live tensor bytes per global rank."""
+    terms: dict[str, float]
+    """compute, recompute, communication_tp/pp/dp, bubble, optimizer, sharing, overhead."""
+    reason: str | None
+    """Why it lost to the best plan (None for the best)."""
+    memory_source: str
+    """'estimate' (the per-rank simulation) or 'model' (the cost model's sum)."""
+    prediction: Prediction = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.describe(),
+            "shape": _plan_dict(self.plan),
+            "step_time_s": self.step_time_s,
+            "peak_bytes": self.peak_bytes,
+            "terms": self.terms,
+            "reason": self.reason,
+            "memory_source": self.memory_source,
+            "stages": list(self.prediction.stages),
+            "bytes_per_step": self.prediction.bytes_per_step,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanReport:
+    """Every plan for `devices` devices: the feasible ones fastest first, and the rest."""
+
+    devices: int
+    rows: list[PlanRow]
+    infeasible: list[tuple[Plan, str]]
+    machine: Machine
+
+    @property
+    def best(self) -> Plan:
+        return self.rows[0].plan
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices,
+            "best": self.best.describe(),
+            "rows": [row.as_dict() for row in self.rows],
+            "infeasible": [
+                {"plan": plan.describe(), "shape": _plan_dict(plan), "reason": why}
+                for plan, why in self.infeasible
+            ],
+            "machine": self.machine.as_dict(),
+        }
+
+
+def _plan_dict(plan: Plan) -> dict[str, Any]:
+    shape = asdict(plan)
+    shape.pop("tp_plan", None)
+    return shape
+
+
+def choose_plan(
+    model: nn.Module,
+    example_batch: tuple[Any, Any],
+    devices: int,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    memory_budget: str | int | None = None,
+    cluster: str | None = None,
+    machine: Machine | None = None,
+    estimate_top: int = 3,
+) -> PlanReport:
+    """Rank every plan for `devices` devices on the global `example_batch`, and explain.
+
+    `cluster`: a cluster file or a shipped name ('dgx-a100', 'dgx-h100', 'dgx-h200'), to
+    price a machine that is not here; `machine`: links and cores given as numbers.
+    """
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise PlanError(f"devices={devices!r} must be a positive integer; e.g. devices=4")
+    Plan(memory_budget=memory_budget)  # a bad budget is refused before any work
+    if machine is None:
+        machine = _machine(devices, cluster)
+    workload = measure_workload(
+        model,
+        example_batch,
+        widths=divisors(devices),
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        threads=None if machine.cores is None else threads_per_worker(devices),
+    )
+    ranking = search(workload, machine, devices, memory_budget=memory_budget)
+    infeasible = list(ranking.infeasible)
+    rows: list[PlanRow] = []
+    for prediction in ranking.rows:
+        plan = _pinned(prediction)
+        memory, source = _per_rank(prediction), "model"
+        if len(rows) < estimate_top:
+            try:
+                estimate = estimate_memory(
+                    model, plan, example_batch, optimizer=optimizer, loss_fn=loss_fn
+                )
+            except PlanError as error:
+                infeasible.append((plan, str(error)))
+                continue
+            if not estimate.fits:
+                worst = max(estimate.ranks, key=lambda r: r.peak_bytes)
+                infeasible.append(
+                    (plan, f"memory: the estimate of rank {worst.rank} is {worst.peak_bytes} "
+                     f"bytes at {worst.phase}, over the budget")
+                )  # fmt: skip
+                continue
+            memory, source, plan = [r.peak_bytes for r in estimate.ranks], "estimate", estimate.plan
+        rows.append(
+            PlanRow(
+                plan=plan,
+                step_time_s=prediction.step_time_s,
+                peak_bytes=memory,
+                terms=dict(prediction.terms),
+                reason=None,
+                memory_source=source,
+                prediction=prediction,
+            )
+        )
+    if not rows:
+        reasons = "; ".join(f"{plan.describe()}: {why}" for plan, why in infeasible[:6])
+        raise PlanError(
+            f"no plan runs this model on devices={devices}"
+            + (f" within memory_budget={memory_budget!r}" if memory_budget else "")
+            + f": {reasons}"
+        )
+    best = rows[0].prediction
+    rows = [rows[0]] + [replace(r, reason=reason(r.prediction, best, machine)) for r in rows[1:]]
+    return PlanReport(devices=devices, rows=rows, infeasible=infeasible, machine=machine)
+
+
+def _pinned(prediction: Prediction) -> Plan:
+    """The plan with the stage split the cost model priced, so workers cut there."""
+    plan = prediction.plan
+    return replace(plan, stages=prediction.stages) if plan.pp > 1 else plan
+
+
+def _per_rank(prediction: Prediction) -> list[int]:
+    plan = prediction.plan
+    return [
+        prediction.memory_bytes[stage]
+        for _ in range(plan.dp)
+        for stage in range(plan.pp)
+        for _ in range(plan.tp)
+    ]
+
+
+def _machine(devices: int, cluster: str | None) -> Machine:
+    """This host's measured links (cached), or a cluster's on paper."""
+    if cluster is not None:
+        from meshsplit.planner.cluster import load_cluster
+
+        return load_cluster(cluster).machine()
+    from meshsplit.planner.calibrate import cached_machine
+
+    sizes = sorted({d for d in divisors(devices) if d > 1} | {2})
+    return cached_machine(tuple(sizes))

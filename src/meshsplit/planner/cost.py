@@ -1,0 +1,308 @@
+"""A plan's step time and memory from a measured workload and a machine. Numbers in, numbers out.
+
+For a plan (dp, pp, tp, m micro-batches of r = B / (dp·m) rows, schedule, recompute, zero)
+each stage s holds a contiguous run of items (the engine's profile-balanced split, or the
+plan's stages). Per micro-batch it computes
+
+    F_s = Σ forward(r) + tp_f(r)        B_s = Σ backward(r) + tp_b(r) [+ F_s if recomputed]
+
+where tp_f, tp_b are the items' collectives over tp priced alpha + bytes/beta (they block
+the compute). The schedule's actions then run stage by stage in order, each waiting for the
+stage before it (forward) or after it (backward) plus one p2p message of the boundary
+activation; the makespan M of that list is the pipeline part. After it:
+
+    dp:        gradient buckets all-reduce while the last backward runs; what is left over
+    optimizer: seconds per byte of parameters it updates (1/dp of them under zero)
+    T_path = max over stages (finish_s + dp_s + optimizer_s) + step overhead
+
+On a host whose workers share its cores, every busy second of every rank needs a core:
+T = max(T_path, Σ busy / effective cores). `terms` splits T into what the slowest rank
+spends: compute, recompute, communication per axis, bubble, optimizer, sharing, overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshsplit.pipeline.partition import balance
+from meshsplit.pipeline.schedules import Action, max_in_flight, schedule
+from meshsplit.plan import Plan
+from meshsplit.planner.machine import Machine
+from meshsplit.planner.workload import Item, Traffic, Workload
+
+__all__: list[str] = []
+
+TERMS = (
+    "compute",
+    "recompute",
+    "communication_tp",
+    "communication_pp",
+    "communication_dp",
+    "bubble",
+    "optimizer",
+    "sharing",
+    "overhead",
+)
+"""The parts of a predicted step, in the order they are shown; they sum to the step time."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One predicted action of the pipeline: stage, 'F' or 'B', micro-batch, start and end."""
+
+    stage: int
+    kind: str
+    micro: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model says of one plan."""
+
+    plan: Plan
+    step_time_s: float
+    terms: dict[str, float]
+    stages: tuple[int, ...]
+    """Items per stage."""
+    memory_bytes: tuple[int, ...]
+    """Modelled peak live bytes per stage (every dp and tp rank of a stage alike)."""
+    bytes_per_step: dict[str, float]
+    """Payload one rank of the slowest stage sends per step, per axis (tp, pp, dp)."""
+    critical_stage: int
+    intervals: tuple[Interval, ...] = field(default=(), repr=False)
+
+
+def rows_per_micro_batch(plan: Plan, global_rows: int) -> float:
+    return global_rows / (plan.dp * plan.micro_batches)
+
+
+def stage_sizes(items: Sequence[Item], plan: Plan, rows: float) -> tuple[int, ...]:
+    """The plan's stages, or the split the engine balances on these costs."""
+    if plan.stages is not None:
+        return tuple(plan.stages)
+    if plan.pp == 1:
+        return (len(items),)
+    costs = [item.forward.at(rows) + item.backward.at(rows) for item in items]
+    return balance(costs, plan.pp, [item.trainable for item in items])
+
+
+def _traffic_s(machine: Machine, traffic: Sequence[Traffic], rows: float, width: int) -> float:
+    if width <= 1:
+        return 0.0
+    total = 0.0
+    for t in traffic:
+        link = machine.link(t.operation, width)
+        total += t.calls * link.alpha_s + t.bytes_per_row * rows / link.bytes_per_s
+    return total
+
+
+def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> float:
+    if machine.flop_per_s is not None:
+        flops = item.backward_flops_per_row if backward else item.forward_flops_per_row
+        return flops * rows / machine.flop_per_s
+    return (item.backward if backward else item.forward).at(rows)
+
+
+def _recomputes(plan: Plan, stage: int) -> bool:
+    return plan.checkpoint == "always" or (plan.checkpoint == "except_last" and stage < plan.pp - 1)
+
+
+@dataclass
+class _Stage:
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    tp_forward_s: float = 0.0
+    tp_backward_s: float = 0.0
+    recompute_s: float = 0.0
+    send_s: float = 0.0
+    """One boundary message to the next stage (activation forward, same bytes back)."""
+    parameter_bytes: int = 0
+    trainable_bytes: int = 0
+    saved_bytes: float = 0.0
+    input_bytes: float = 0.0
+    largest_output: float = 0.0
+    tp_bytes: float = 0.0
+    send_bytes: float = 0.0
+
+    @property
+    def f(self) -> float:
+        return self.forward_s + self.tp_forward_s
+
+    @property
+    def b(self) -> float:
+        return self.backward_s + self.tp_backward_s + self.recompute_s
+
+
+def _stages(workload: Workload, machine: Machine, plan: Plan, rows: float) -> list[_Stage]:
+    items = workload.items[plan.tp]
+    sizes = stage_sizes(items, plan, rows)
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    stages = []
+    for s in range(plan.pp):
+        run, stage = items[starts[s] : starts[s + 1]], _Stage()
+        for item in run:
+            stage.forward_s += _compute_s(machine, item, rows, backward=False)
+            stage.backward_s += _compute_s(machine, item, rows, backward=True)
+            stage.tp_forward_s += _traffic_s(machine, item.forward_traffic, rows, plan.tp)
+            stage.tp_backward_s += _traffic_s(machine, item.backward_traffic, rows, plan.tp)
+            stage.tp_bytes += rows * sum(
+                t.bytes_per_row for t in (*item.forward_traffic, *item.backward_traffic)
+            )
+            stage.parameter_bytes += item.parameter_bytes
+            stage.trainable_bytes += item.parameter_bytes if item.trainable else 0
+            stage.saved_bytes += item.saved_bytes_per_row * rows
+            stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
+        if s == plan.pp - 1:
+            stage.forward_s += workload.loss_forward.at(rows)
+            stage.backward_s += workload.loss_backward.at(rows)
+        if _recomputes(plan, s):
+            stage.recompute_s = stage.forward_s + stage.tp_forward_s
+        if s > 0:
+            stage.input_bytes = items[starts[s] - 1].output_bytes_per_row * rows
+        if s < plan.pp - 1:
+            stage.send_bytes = run[-1].output_bytes_per_row * rows
+            stage.send_s = machine.seconds("send_recv", 2, stage.send_bytes)
+        stages.append(stage)
+    return stages
+
+
+def simulate_pipeline(
+    actions: list[list[Action]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    send_s: Sequence[float],
+) -> list[Interval]:
+    """Run each stage's action list in order: F(s, j) after F(s-1, j) and its message, B(s, j)
+    after B(s+1, j) and its message (the last stage after its own F(s, j))."""
+    stages = len(actions)
+    done: dict[tuple[int, str, int], float] = {}
+    clock, position = [0.0] * stages, [0] * stages
+    intervals: list[Interval] = []
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(actions[s]):
+                action = actions[s][position[s]]
+                if action.kind == "F":
+                    before = (s - 1, "F", action.micro) if s > 0 else None
+                    delay = send_s[s - 1] if s > 0 else 0.0
+                    length = forward_s[s]
+                else:
+                    last = s == stages - 1
+                    before = (s, "F", action.micro) if last else (s + 1, "B", action.micro)
+                    delay = 0.0 if last else send_s[s]
+                    length = backward_s[s]
+                if before is not None and before not in done:
+                    break
+                ready = done[before] + delay if before is not None else 0.0
+                start = max(clock[s], ready)
+                clock[s] = start + length
+                done[(s, action.kind, action.micro)] = clock[s]
+                intervals.append(Interval(s, action.kind, action.micro, start, clock[s]))
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule waits on an action that never runs")
+    return intervals
+
+
+def dp_exposed_s(machine: Machine, plan: Plan, nbytes: float, overlap_s: float) -> float:
+    """What the all-reduce of `nbytes` of gradients over dp adds after backward.
+
+    Buckets of plan.bucket_mb start as the last backward fills them, so all but what the
+    backward of `overlap_s` hides is exposed, and at least the last bucket always is.
+    """
+    if plan.dp <= 1 or nbytes <= 0:
+        return 0.0
+    link = machine.link("all_reduce", plan.dp)
+    bucket = plan.bucket_mb * 2**20
+    total = math.ceil(nbytes / bucket) * link.alpha_s + nbytes / link.bytes_per_s
+    last = link.alpha_s + min(nbytes, bucket) / link.bytes_per_s
+    return max(total - overlap_s, last)
+
+
+def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
+    """Step time, its terms and per-stage memory of `plan` (tp must be a measured width)."""
+    rows = rows_per_micro_batch(plan, workload.global_rows)
+    stages = _stages(workload, machine, plan, rows)
+    m = plan.micro_batches
+    actions = schedule(plan.schedule, plan.pp, m)
+    sends = [st.send_s for st in stages]
+    intervals = simulate_pipeline(actions, [st.f for st in stages], [st.b for st in stages], sends)
+    quiet = simulate_pipeline(
+        actions, [st.f for st in stages], [st.b for st in stages], [0.0] * plan.pp
+    )
+    finish = [max(i.end_s for i in intervals if i.stage == s) for s in range(plan.pp)]
+    finish_quiet = [max(i.end_s for i in quiet if i.stage == s) for s in range(plan.pp)]
+    totals = []
+    for s, st in enumerate(stages):
+        dp_exposed = dp_exposed_s(machine, plan, st.trainable_bytes, st.b)
+        shard = plan.dp if plan.zero else 1
+        optimizer = workload.optimizer_s_per_byte * st.trainable_bytes / shard
+        if plan.zero and plan.dp > 1:
+            dp_exposed += machine.seconds("all_gather", plan.dp, st.trainable_bytes / plan.dp)
+        totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
+    path = max(total for total, _, _ in totals) + workload.step_overhead_s
+    busy = sum(m * (st.f + st.b) + totals[s][1] + totals[s][2] for s, st in enumerate(stages)) * (
+        plan.dp * plan.tp
+    )
+    floor = 0.0
+    if machine.cores is not None:
+        workers = plan.world_size
+        effective = workers / machine.slowdown(workers)
+        floor = busy / effective + workload.step_overhead_s
+    step = max(path, floor)
+    critical = max(range(plan.pp), key=lambda s: stages[s].f + stages[s].b)
+    st = stages[critical]
+    _, dp_exposed, optimizer = totals[critical]
+    pp_wait = max(0.0, finish[critical] - finish_quiet[critical])
+    own = m * (st.f + st.b) + pp_wait + dp_exposed + optimizer
+    terms = {
+        "compute": m * (st.forward_s + st.backward_s),
+        "recompute": m * st.recompute_s,
+        "communication_tp": m * (st.tp_forward_s + st.tp_backward_s),
+        "communication_pp": pp_wait,
+        "communication_dp": dp_exposed,
+        "bubble": max(0.0, path - workload.step_overhead_s - own),
+        "optimizer": optimizer,
+        "sharing": step - path,
+        "overhead": workload.step_overhead_s,
+    }
+    return Prediction(
+        plan=plan,
+        step_time_s=step,
+        terms=terms,
+        stages=stage_sizes(workload.items[plan.tp], plan, rows),
+        memory_bytes=tuple(_memory(workload, plan, stages, s) for s in range(plan.pp)),
+        bytes_per_step={
+            "tp": m * st.tp_bytes,
+            "pp": 2 * m * (st.send_bytes + st.input_bytes),
+            "dp": 2 * st.trainable_bytes * (plan.dp - 1) / plan.dp if plan.dp > 1 else 0.0,
+        },
+        critical_stage=critical,
+        intervals=tuple(intervals),
+    )
+
+
+def _memory(workload: Workload, plan: Plan, stages: list[_Stage], s: int) -> int:
+    """Parameters, gradients, optimizer state, activations in flight, receive buffers and the
+    largest temporary of stage `s` (the estimate of `simulate.py` measures it exactly)."""
+    st = stages[s]
+    shard = plan.dp if plan.zero else 1
+    in_flight = (
+        1
+        if plan.pp == 1
+        else max_in_flight(schedule(plan.schedule, plan.pp, plan.micro_batches)[s])
+    )
+    saved = st.input_bytes + st.largest_output if _recomputes(plan, s) else st.saved_bytes
+    activations = in_flight * saved + (st.saved_bytes if _recomputes(plan, s) else 0.0)
+    buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)
+    state = st.parameter_bytes + st.trainable_bytes
+    state += workload.optimizer_state_per_byte * st.trainable_bytes / shard
+    return int(state + activations + buffers + 2 * st.largest_output)

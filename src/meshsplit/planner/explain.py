@@ -1,0 +1,81 @@
+"""One sentence per losing plan: the term of its step that lost it against the best plan.
+
+The term is the one with the largest excess over the best plan's same term; the sentence
+gives that term's seconds and, for communication, the bytes behind them, e.g.
+"tp=4: 22.0 MiB of activation all-reduce over tp per step, about 41 ms, against 12 ms of
+compute saved (step 95 ms, best 60 ms)".
+"""
+
+from __future__ import annotations
+
+from meshsplit.memory.tracker import format_bytes
+from meshsplit.planner.cost import TERMS, Prediction
+from meshsplit.planner.machine import Machine
+
+__all__: list[str] = []
+
+
+TIE = 0.005
+"""Plans within this fraction of the best's step time are called as fast."""
+
+
+def _ms(seconds: float) -> str:
+    value = seconds * 1e3
+    return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
+def losing_term(row: Prediction, best: Prediction) -> str:
+    """The term in which `row` spends the most more than `best`."""
+    return max(TERMS, key=lambda term: row.terms[term] - best.terms[term])
+
+
+def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
+    """Why `row` is slower than `best`, in one sentence."""
+    plan, terms = row.plan, row.terms
+    if row.step_time_s <= best.step_time_s * (1 + TIE):
+        return (
+            f"{plan.describe()}: predicted as fast as the best ({_ms(row.step_time_s)}); "
+            "the best has fewer moving parts or holds less memory"
+        )
+    term = losing_term(row, best)
+    saved = best.terms["compute"] - terms["compute"]
+    saving = f"against {_ms(saved)} of compute saved" if saved > 0 else "with no compute saved"
+    sentences = {
+        "communication_tp": (
+            f"{format_bytes(row.bytes_per_step['tp'])} of activation all-reduce and all-gather "
+            f"over tp={plan.tp} per step, about {_ms(terms['communication_tp'])}, {saving}"
+        ),
+        "communication_dp": (
+            f"{format_bytes(row.bytes_per_step['dp'])} of gradient all-reduce over dp={plan.dp} "
+            f"per step, {_ms(terms['communication_dp'])} of it not hidden behind backward"
+        ),
+        "communication_pp": (
+            f"{format_bytes(row.bytes_per_step['pp'])} of activations and their gradients "
+            f"between stages per step, about {_ms(terms['communication_pp'])} of waiting"
+        ),
+        "bubble": (
+            f"a pipeline bubble of {_ms(terms['bubble'])} "
+            f"({100 * terms['bubble'] / row.step_time_s:.0f}% of its step) with "
+            f"{plan.micro_batches} micro-batches over {plan.pp} stages"
+        ),
+        "recompute": (
+            f"recomputing the forward ({plan.checkpoint}) adds {_ms(terms['recompute'])}"
+        ),
+        "compute": (
+            f"its slowest rank computes for {_ms(terms['compute'])} against "
+            f"{_ms(best.terms['compute'])} on the best plan's"
+        ),
+        "sharing": (
+            f"{plan.world_size} workers share {machine.cores} cores, "
+            f"{_ms(terms['sharing'])} beyond its critical path"
+        ),
+        "optimizer": (
+            f"the optimizer step takes {_ms(terms['optimizer'])} against "
+            f"{_ms(best.terms['optimizer'])}"
+        ),
+        "overhead": f"the engine's own work takes {_ms(terms['overhead'])}",
+    }
+    return (
+        f"{plan.describe()}: {sentences[term]} "
+        f"(step {_ms(row.step_time_s)}, best {_ms(best.step_time_s)})"
+    )

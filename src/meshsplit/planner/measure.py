@@ -1,0 +1,316 @@
+"""Measure a model's workload on this device: each item at each tp width, in one process.
+
+For each width k, the model is split exactly as a worker splits it (rank 0 of a fake
+process group of k ranks, in which collectives return at once), cut into the items the
+layer split cuts between, and profiled at two micro-batch sizes; one further forward and
+backward counts, per item, the collectives it calls over tp, the bytes autograd saves for
+it and its FLOPs. A real step of the unsplit model gives the optimizer's seconds per byte
+and the engine's own overhead per step. Nothing here predicts; `cost.py` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from meshsplit.batch import LossFn, call_model, rows, take_rows
+from meshsplit.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.memory.report import optimizer_tensors, tensor_bytes
+from meshsplit.pipeline.cuts import Cuts, find_cuts
+from meshsplit.plan import Plan, PlanError
+from meshsplit.planner.workload import Item, Line, Traffic, Workload
+from meshsplit.rank_memory import counting_only
+
+__all__: list[str] = []
+
+_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_single": "all_gather"}
+"""torch.distributed functions the tp layers call -> the operation the cost model prices."""
+
+
+def measure_workload(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    *,
+    widths: list[int],
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    threads: int | None = None,
+) -> Workload:
+    """The workload of `model` on the global `batch`, at each tp width in `widths`, timed
+    with `threads` compute threads (what each worker will have; default: as now)."""
+    if dist.is_initialized():
+        raise RuntimeError("measure the workload outside ms.launch (it simulates ranks)")
+    inputs, targets = batch
+    global_rows = rows(inputs)
+    sizes = sorted({max(1, global_rows // 8), global_rows})
+    rng, threads_before = torch.get_rng_state(), torch.get_num_threads()
+    torch.set_num_threads(threads or threads_before)
+    items: dict[int, tuple[Item, ...]] = {}
+    refused: dict[int, str] = {}
+    try:
+        for width in widths:
+            try:
+                with _fake_group(width):
+                    items[width] = _items(model, inputs, targets, width, sizes, loss_fn)
+            except PlanError as error:
+                refused[width] = str(error)
+        with _fake_group(1):
+            whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1))
+    finally:
+        torch.set_rng_state(rng)
+        torch.set_num_threads(threads_before)
+    return Workload(
+        items=items,
+        refused=refused,
+        global_rows=global_rows,
+        **whole,  # type: ignore[arg-type]
+    )
+
+
+@contextmanager
+def _fake_group(world: int) -> Iterator[None]:
+    """Rank 0 of `world` ranks whose collectives return at once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _split(model: nn.Module, width: int, loss_fn: LossFn | None, inputs: Any) -> Engine:
+    with counting_only():
+        engine = parallelize(copy.deepcopy(model), Plan(tp=width), loss_fn=loss_fn)
+    engine.prepare(inputs)
+    engine.memory.track = False
+    return engine
+
+
+def _items(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    width: int,
+    sizes: list[int],
+    loss_fn: LossFn | None,
+) -> tuple[Item, ...]:
+    engine = _split(model, width, loss_fn, inputs)
+    module = engine.module
+    timed = [find_cuts(module, take_rows(inputs, slice(0, n)), Plan(), lambda c: c) for n in sizes]
+    cuts = timed[-1]
+    counts = _count(
+        cuts,
+        engine,
+        take_rows(inputs, slice(0, sizes[-1])),
+        take_rows(targets, slice(0, sizes[-1])),
+    )
+    low, high = sizes[0], sizes[-1]
+    result = []
+    for index, name in enumerate(cuts.names):
+        a, b = timed[0].costs[index], cuts.costs[index]
+        count = counts[index]
+        module_i = cuts.modules[index]
+        result.append(
+            Item(
+                name=name,
+                forward=Line.through(low, a.forward_ms / 1e3, high, b.forward_ms / 1e3),
+                backward=Line.through(low, a.backward_ms / 1e3, high, b.backward_ms / 1e3),
+                parameter_bytes=tensor_bytes([*module_i.parameters(), *module_i.buffers()]),
+                output_bytes_per_row=b.activation_bytes / high,
+                saved_bytes_per_row=count.saved / high,
+                trainable=any(p.requires_grad for p in module_i.parameters()),
+                forward_flops_per_row=count.flops[0] / high,
+                backward_flops_per_row=count.flops[1] / high,
+                forward_traffic=count.traffic(0, high),
+                backward_traffic=count.traffic(1, high),
+            )
+        )
+    engine.close()
+    return tuple(result)
+
+
+class _Counts:
+    """What one item did in one forward and backward."""
+
+    def __init__(self) -> None:
+        self.saved = 0
+        self.flops = [0.0, 0.0]
+        self.calls: list[dict[str, list[float]]] = [defaultdict(lambda: [0, 0.0]) for _ in range(2)]
+        self.storages: set[int] = set()
+
+    def traffic(self, direction: int, rows_: int) -> tuple[Traffic, ...]:
+        return tuple(
+            Traffic(operation=op, calls=int(calls), bytes_per_row=nbytes / rows_)
+            for op, (calls, nbytes) in sorted(self.calls[direction].items())
+        )
+
+
+class _Attribution(TorchDispatchMode):
+    """Charges FLOPs, saved bytes and collectives to the item running now."""
+
+    def __init__(self, counts: list[_Counts], parameters: set[int]) -> None:
+        super().__init__()
+        self.counts = counts
+        self.parameters = parameters
+        self.current = len(counts) - 1
+        self.direction = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            self.counts[self.current].flops[self.direction] += counter(*args, **kwargs, out_val=out)
+        return out
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        count = self.counts[self.current]
+        key = tensor.untyped_storage().data_ptr()
+        if self.direction == 0 and key not in self.parameters and key not in count.storages:
+            count.storages.add(key)
+            count.saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def collective(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self.counts[self.current].calls[self.direction][_COLLECTIVES[name]]
+        entry[0] += 1
+        entry[1] += tensor.numel() * tensor.element_size()
+
+
+def _count(cuts: Cuts, engine: Engine, inputs: Any, targets: Any) -> list[_Counts]:
+    """One forward and backward of the split model with every op charged to its item."""
+    counts = [_Counts() for _ in cuts.names]
+    module = engine.module
+    parameters = {t.untyped_storage().data_ptr() for t in module.state_dict().values()}
+    mode = _Attribution(counts, parameters)
+    with ExitStack() as stack:
+        for index, item in enumerate(cuts.modules):
+            for sub in item.modules():
+                stack.enter_context(_charging(sub, index, mode))
+        stack.enter_context(_collectives(mode))
+        stack.enter_context(saved_tensors_hooks(mode.pack, lambda t: t))
+        stack.enter_context(mode)
+        output = call_model(module, inputs)
+        loss = engine.loss_fn(output, targets)
+        mode.direction, mode.current = 1, len(counts) - 1
+        loss.backward()
+    module.zero_grad(set_to_none=True)
+    return counts
+
+
+@contextmanager
+def _charging(module: nn.Module, index: int, mode: _Attribution) -> Iterator[None]:
+    """While `module` runs forward, charge item `index`; when its outputs' gradients arrive,
+    charge its backward."""
+
+    def before(*_: Any) -> None:
+        if mode.direction == 0:
+            mode.current = index
+
+    def after(_: Any, __: Any, output: Any) -> None:
+        for value in pytree.tree_leaves(output):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(lambda grad: _backward_of(mode, index))
+
+    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _backward_of(mode: _Attribution, index: int) -> None:
+    mode.current = index
+
+
+@contextmanager
+def _collectives(mode: _Attribution) -> Iterator[None]:
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            payload = args[0] if name == "all_reduce" else args[1]
+            mode.collective(name, payload)
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _whole_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    items: tuple[Item, ...] | None,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Loss, optimizer and overhead from real steps of the unsplit model in this process."""
+    with counting_only():
+        engine = parallelize(copy.deepcopy(model), Plan(), optimizer=optimizer, loss_fn=loss_fn)
+    engine.memory.track = False
+    n = rows(inputs)
+    steps, optimizer_s, loss_s = [], [], []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        engine.train_step(inputs, targets)
+        steps.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        engine.optimizer.step()
+        optimizer_s.append(time.perf_counter() - started)
+        loss_s.append(_time_loss(engine, inputs, targets))
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    parameter_bytes = tensor_bytes(trainable)
+    state = tensor_bytes(optimizer_tensors(engine.optimizer))
+    loss_forward, loss_backward = min(loss_s[1:])
+    parts = min(optimizer_s[1:]) + loss_forward + loss_backward
+    if items is not None:
+        parts += sum(i.forward.at(n) + i.backward.at(n) for i in items)
+    engine.close()
+    return {
+        "loss_forward": Line(0.0, loss_forward / n),
+        "loss_backward": Line(0.0, loss_backward / n),
+        "optimizer_s_per_byte": min(optimizer_s[1:]) / max(1, parameter_bytes),
+        "optimizer_state_per_byte": state / max(1, parameter_bytes),
+        "step_overhead_s": max(0.0, min(steps[1:]) - parts),
+        "parameter_bytes": tensor_bytes([*model.parameters(), *model.buffers()]),
+    }
+
+
+def _time_loss(engine: Engine, inputs: Any, targets: Any) -> tuple[float, float]:
+    """Seconds of the loss's forward and backward on the model's detached output."""
+    with torch.no_grad():
+        output = call_model(engine.module, inputs)
+    leaves = pytree.tree_map(
+        lambda t: (
+            t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+        ),
+        output,
+    )
+    started = time.perf_counter()
+    loss = engine.loss_fn(leaves, targets)
+    middle = time.perf_counter()
+    loss.backward()
+    return middle - started, time.perf_counter() - middle

@@ -1,0 +1,138 @@
+"""Every plan for N devices, priced and pruned: numbers in, a ranking out.
+
+The space: dp x pp x tp = N over the tp widths the model can take; micro-batches (pp, 2pp,
+4pp, ... while they divide the replica's rows; 1 without a pipeline); both schedules;
+recompute never, except the last stage, always; optimizer state whole or sharded over dp.
+A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
+the model has fewer trainable items than stages, a layer does not split that wide) or when
+its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshsplit.memory.tracker import format_bytes
+from meshsplit.plan import Plan, divisors
+from meshsplit.planner.cost import Prediction, predict
+from meshsplit.planner.machine import Machine
+from meshsplit.planner.workload import Workload
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Priced plans fastest first, and the plans that cannot run with why."""
+
+    rows: list[Prediction]
+    infeasible: list[tuple[Plan, str]] = field(default_factory=list)
+
+
+def micro_batch_options(plan: Plan, replica_rows: int, budget: bool) -> list[int]:
+    """Micro-batch counts worth pricing for a plan's (dp, pp) on `replica_rows` rows."""
+    alone = [1, 2, 4, 8] if budget else [1]
+    wanted = alone if plan.pp == 1 else [plan.pp * k for k in (1, 2, 4)]
+    return [m for m in wanted if m <= replica_rows and replica_rows % m == 0]
+
+
+def _variants(plan: Plan, dp_options: bool) -> list[Plan]:
+    """Schedules, recompute and zero for one (dp, pp, tp, m)."""
+    schedules = ("1f1b", "gpipe") if plan.pp > 1 else ("1f1b",)
+    checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
+    zeros = (False, True) if plan.dp > 1 and dp_options else (False,)
+    return [
+        Plan(
+            dp=plan.dp,
+            pp=plan.pp,
+            tp=plan.tp,
+            micro_batches=plan.micro_batches,
+            schedule=s,
+            checkpoint=c,
+            zero=z,
+            memory_budget=plan.memory_budget,
+        )
+        for s in schedules
+        for c in checkpoints
+        for z in zeros
+    ]
+
+
+def search(
+    workload: Workload,
+    machine: Machine,
+    devices: int,
+    *,
+    memory_budget: str | int | None = None,
+) -> Ranking:
+    """Price every plan for `devices` devices; fastest first."""
+    budget = Plan(memory_budget=memory_budget).budget_bytes
+    rows: list[Prediction] = []
+    infeasible: list[tuple[Plan, str]] = []
+    for dp in divisors(devices):
+        for pp in divisors(devices // dp):
+            tp = devices // (dp * pp)
+            shape = Plan(dp=dp, pp=pp, tp=tp, memory_budget=memory_budget)
+            reason = _shape_refusal(workload, shape)
+            if reason is not None:
+                infeasible.append((shape, reason))
+                continue
+            replica_rows = workload.global_rows // dp
+            options = micro_batch_options(shape, replica_rows, budget is not None)
+            if not options:
+                infeasible.append(
+                    (shape, f"{replica_rows} rows per replica do not split into micro-batches "
+                     f"for pp={pp}; use a global batch divisible by {dp * pp}")
+                )  # fmt: skip
+                continue
+            fitting = 0
+            for m in options:
+                for plan in _variants(Plan(dp=dp, pp=pp, tp=tp, micro_batches=m,
+                                           memory_budget=memory_budget), True):  # fmt: skip
+                    prediction = predict(workload, machine, plan)
+                    if budget is not None and max(prediction.memory_bytes) > budget:
+                        continue
+                    fitting += 1
+                    rows.append(prediction)
+            if not fitting and budget is not None:
+                least = min(
+                    max(predict(workload, machine, p).memory_bytes)
+                    for m in options
+                    for p in _variants(Plan(dp=dp, pp=pp, tp=tp, micro_batches=m), True)
+                )
+                infeasible.append(
+                    (shape, f"memory: needs at least {format_bytes(least)} per rank, over the "
+                     f"budget of {format_bytes(budget)}")
+                )  # fmt: skip
+    rows.sort(key=lambda p: (p.step_time_s, p.plan.world_size, _simplicity(p.plan)))
+    return Ranking(rows=rows, infeasible=infeasible)
+
+
+def _simplicity(plan: Plan) -> tuple[int, int, int, int]:
+    """Ties go to the plan with fewer moving parts."""
+    return (
+        sum(n > 1 for n in (plan.dp, plan.pp, plan.tp)),
+        plan.checkpoint != "never",
+        int(plan.zero),
+        plan.micro_batches,
+    )
+
+
+def _shape_refusal(workload: Workload, plan: Plan) -> str | None:
+    """Why (dp, pp, tp) cannot run this model on this batch at all, or None."""
+    if plan.tp in workload.refused:
+        return f"divisibility: {workload.refused[plan.tp]}"
+    if plan.tp not in workload.items:
+        return f"tp={plan.tp} was not measured (widths {workload.widths})"
+    if workload.global_rows % plan.dp:
+        return (
+            f"divisibility: the global batch of {workload.global_rows} rows does not split over "
+            f"dp={plan.dp}; use a batch divisible by {plan.dp}"
+        )
+    trainable = sum(item.trainable for item in workload.items[plan.tp])
+    if plan.pp > trainable:
+        return (
+            f"layer count: pp={plan.pp} needs a trainable layer per stage and the model has "
+            f"{trainable}; use pp <= {trainable}"
+        )
+    return None

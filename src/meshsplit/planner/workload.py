@@ -1,0 +1,89 @@
+"""What one model costs, item by item, at each operator-split width: the cost model's input.
+
+An item is what the layer split cuts between (a traced layer, or a block of a block list).
+Its times are lines in the micro-batch's rows, fitted from profiles at two sizes, because a
+plan changes the rows each rank runs (global batch / (dp * micro-batches)); its traffic under
+tp is bytes per row per collective. All of it is measured once per width (`measure.py`) and
+then priced for any plan without running it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class Line:
+    """seconds = fixed_s + per_row_s * rows (never below zero)."""
+
+    fixed_s: float
+    per_row_s: float
+
+    def at(self, rows: float) -> float:
+        return max(0.0, self.fixed_s + self.per_row_s * rows)
+
+    @classmethod
+    def through(cls, rows_a: float, seconds_a: float, rows_b: float, seconds_b: float) -> Line:
+        """The line through two measurements (flat if the rows are equal)."""
+        if rows_a == rows_b:
+            return cls(min(seconds_a, seconds_b), 0.0)
+        slope = max(0.0, (seconds_b - seconds_a) / (rows_b - rows_a))
+        return cls(max(0.0, seconds_a - slope * rows_a), slope)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One collective kind an item calls over the tp group, per micro-batch."""
+
+    operation: str
+    """all_reduce or all_gather (payload as traffic.py counts it)."""
+    calls: int
+    bytes_per_row: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Item:
+    """One item of the model at one tp width, on one tp rank."""
+
+    name: str
+    forward: Line
+    backward: Line
+    parameter_bytes: int
+    """Parameters and buffers this tp rank holds for the item."""
+    output_bytes_per_row: float
+    """What a stage boundary after the item sends per row (and receives back as gradient)."""
+    saved_bytes_per_row: float
+    """Tensors autograd keeps for the item's backward, per row."""
+    trainable: bool = True
+    forward_flops_per_row: float = 0.0
+    backward_flops_per_row: float = 0.0
+    forward_traffic: tuple[Traffic, ...] = ()
+    backward_traffic: tuple[Traffic, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """A model, measured: items per tp width, and what runs around them."""
+
+    items: dict[int, tuple[Item, ...]]
+    """tp width -> the items, in order."""
+    loss_forward: Line
+    loss_backward: Line
+    optimizer_s_per_byte: float
+    """Seconds of optimizer.step per byte of parameters it updates."""
+    optimizer_state_per_byte: float
+    """Bytes of optimizer state per byte of parameters (Adam: 2, SGD with momentum: 1)."""
+    step_overhead_s: float = 0.0
+    """What a whole step takes beyond its items, loss and optimizer (engine bookkeeping)."""
+    global_rows: int
+    """The global batch the workload was measured for."""
+    refused: dict[int, str] = field(default_factory=dict)
+    """tp width -> why the model cannot be split that wide."""
+    parameter_bytes: int = 0
+    """The whole model's parameters and buffers."""
+
+    @property
+    def widths(self) -> list[int]:
+        return sorted(self.items)

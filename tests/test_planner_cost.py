@@ -1,0 +1,169 @@
+"""The planner's pure parts on made-up numbers: pipeline simulation, cost terms, search, reasons."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import meshsplit as ms
+from meshsplit.pipeline.schedules import schedule
+from meshsplit.planner.cost import TERMS, predict, simulate_pipeline
+from meshsplit.planner.explain import reason
+from meshsplit.planner.machine import Link, Machine
+from meshsplit.planner.search import search
+from meshsplit.planner.workload import Item, Line, Traffic, Workload
+
+MiB = 2**20
+
+
+def _machine(alpha: float = 1e-4, rate: float = 1e9, cores: int | None = None) -> Machine:
+    links = {
+        op: {size: Link(alpha, rate) for size in (2, 4, 8, 16, 32, 64)}
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+    }
+    return Machine(name="synthetic", links=links, cores=cores)
+
+
+def _workload(items: int = 8, widths: tuple[int, ...] = (1, 2, 4), rows: int = 64) -> Workload:
+    """`items` equal layers; at width k each computes 1/k as long and all-reduces 4 KiB/row."""
+    per_width = {}
+    for k in widths:
+        traffic = (Traffic("all_reduce", 1, 4096.0),) if k > 1 else ()
+        per_width[k] = tuple(
+            Item(
+                name=f"layer{i}",
+                forward=Line(1e-4, 1e-5 / k),
+                backward=Line(2e-4, 2e-5 / k),
+                parameter_bytes=4 * MiB // k,
+                output_bytes_per_row=4096.0,
+                saved_bytes_per_row=8192.0 / k,
+                forward_traffic=traffic,
+                backward_traffic=traffic,
+            )
+            for i in range(items)
+        )
+    return Workload(
+        items=per_width,
+        loss_forward=Line(0.0, 1e-6),
+        loss_backward=Line(0.0, 1e-6),
+        optimizer_s_per_byte=1e-10,
+        optimizer_state_per_byte=1.0,
+        global_rows=rows,
+    )
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (4, 4), (4, 8), (3, 1)])
+def test_equal_stages_take_m_plus_p_minus_one_ticks(name: str, stages: int, micro: int) -> None:
+    intervals = simulate_pipeline(
+        schedule(name, stages, micro), [1.0] * stages, [2.0] * stages, [0.0] * stages
+    )
+    assert max(i.end_s for i in intervals) == pytest.approx((micro + stages - 1) * 3.0)
+    for s in range(stages):  # a stage never runs two actions at once
+        mine = sorted((i.start_s, i.end_s) for i in intervals if i.stage == s)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:], strict=False))
+
+
+def test_a_message_delays_the_next_stage() -> None:
+    quiet = simulate_pipeline(schedule("1f1b", 2, 2), [1.0, 1.0], [1.0, 1.0], [0.0, 0.0])
+    slow = simulate_pipeline(schedule("1f1b", 2, 2), [1.0, 1.0], [1.0, 1.0], [0.5, 0.5])
+    assert max(i.end_s for i in slow) > max(i.end_s for i in quiet) + 0.9
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ms.Plan(),
+        ms.Plan(dp=4),
+        ms.Plan(tp=4),
+        ms.Plan(pp=4, micro_batches=8),
+        ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", checkpoint="always"),
+        ms.Plan(dp=2, tp=2, zero=True),
+    ],
+)
+def test_terms_sum_to_the_step_time(plan: ms.Plan) -> None:
+    for cores in (None, 2):
+        prediction = predict(_workload(), _machine(cores=cores), plan)
+        assert set(prediction.terms) == set(TERMS)
+        assert all(value >= 0 for value in prediction.terms.values())
+        assert sum(prediction.terms.values()) == pytest.approx(prediction.step_time_s)
+
+
+def test_each_term_answers_its_own_cause() -> None:
+    work, machine = _workload(), _machine()
+    few = predict(work, machine, ms.Plan(pp=4, micro_batches=4))
+    many = predict(work, machine, ms.Plan(pp=4, micro_batches=16))
+    assert many.terms["bubble"] < few.terms["bubble"]
+    cheap = predict(work, _machine(alpha=1e-5), ms.Plan(tp=4))
+    dear = predict(work, _machine(alpha=1e-2), ms.Plan(tp=4))
+    assert dear.terms["communication_tp"] > 10 * cheap.terms["communication_tp"] > 0
+    assert predict(work, machine, ms.Plan(dp=4)).terms["communication_dp"] > 0
+    again = predict(work, machine, ms.Plan(pp=2, micro_batches=2, checkpoint="always"))
+    assert again.terms["recompute"] > 0
+    shared = predict(work, _machine(cores=2), ms.Plan(dp=4))
+    own = predict(work, _machine(cores=None), ms.Plan(dp=4))
+    assert shared.terms["sharing"] > 0 and own.terms["sharing"] == 0
+    assert shared.step_time_s > own.step_time_s
+    sharded = predict(work, machine, ms.Plan(dp=4, zero=True))
+    whole = predict(work, machine, ms.Plan(dp=4))
+    assert sharded.terms["optimizer"] < whole.terms["optimizer"]
+    assert max(sharded.memory_bytes) < max(whole.memory_bytes)
+
+
+def test_memory_follows_the_split_and_the_schedule() -> None:
+    work, machine = _workload(), _machine()
+    whole = max(predict(work, machine, ms.Plan()).memory_bytes)
+    assert max(predict(work, machine, ms.Plan(tp=4)).memory_bytes) < 0.5 * whole
+    gpipe = predict(work, machine, ms.Plan(pp=2, micro_batches=8, schedule="gpipe"))
+    one_f = predict(work, machine, ms.Plan(pp=2, micro_batches=8))
+    assert gpipe.memory_bytes[0] > one_f.memory_bytes[0]
+
+
+def test_search_ranks_and_says_why_each_plan_cannot_run() -> None:
+    work = _workload(items=3, widths=(1, 2))
+    work = Workload(**{**work.__dict__, "refused": {4: "head count 2 does not split over 4"}})
+    ranking = search(work, _machine(), 4)
+    times = [row.step_time_s for row in ranking.rows]
+    assert times == sorted(times) and times
+    reasons = {(plan.dp, plan.pp, plan.tp): why for plan, why in ranking.infeasible}
+    assert "divisibility" in reasons[(1, 1, 4)]
+    assert "layer count" in reasons[(1, 4, 1)]
+    tight = search(work, _machine(), 4, memory_budget=1)
+    assert not tight.rows
+    assert all("memory" in why for _, why in tight.infeasible if "divisibility" not in why
+               and "layer count" not in why)  # fmt: skip
+
+
+def test_a_budget_prunes_plans_that_need_more() -> None:
+    work, machine = _workload(), _machine()
+    everything = search(work, machine, 4)
+    limit = sorted(max(r.memory_bytes) for r in everything.rows)[len(everything.rows) // 2]
+    pruned = search(work, machine, 4, memory_budget=limit)
+    assert pruned.rows and len(pruned.rows) < len(everything.rows)
+    assert all(max(r.memory_bytes) <= limit for r in pruned.rows)
+
+
+def test_sixty_four_devices_are_searched_in_under_ten_seconds() -> None:
+    work = _workload(items=24, widths=(1, 2, 4, 8, 16, 32, 64), rows=512)
+    started = time.perf_counter()
+    ranking = search(work, _machine(), 64)
+    assert time.perf_counter() - started < 10
+    assert len(ranking.rows) > 100
+    shapes = {(r.plan.dp, r.plan.pp, r.plan.tp) for r in ranking.rows}
+    assert (64, 1, 1) in shapes and (1, 1, 64) in shapes and (4, 4, 4) in shapes
+
+
+def test_a_losing_plan_is_told_its_losing_term() -> None:
+    work, machine = _workload(), _machine(alpha=5e-3)
+    best = predict(work, machine, ms.Plan(dp=4))
+    tp = predict(work, machine, ms.Plan(tp=4))
+    sentence = reason(tp, best, machine)
+    assert (
+        sentence.startswith("dp1 pp1 tp4: ")
+        and "all-reduce" in sentence
+        and "over tp=4" in sentence
+    )
+    assert "ms" in sentence and "KiB" in sentence or "MiB" in sentence
+    same = reason(best, best, machine)
+    assert "as fast as the best" in same
