@@ -33,8 +33,8 @@ def _workload(items: int = 8, widths: tuple[int, ...] = (1, 2, 4), rows: int = 6
         per_width[k] = tuple(
             Item(
                 name=f"layer{i}",
-                forward=Line(1e-4, 1e-5 / k),
-                backward=Line(2e-4, 2e-5 / k),
+                forward=Line(((1, 1e-4 + 1e-5 / k), (64, 1e-4 + 64e-5 / k))),
+                backward=Line(((1, 2e-4 + 2e-5 / k), (64, 2e-4 + 128e-5 / k))),
                 parameter_bytes=4 * MiB // k,
                 output_bytes_per_row=4096.0,
                 saved_bytes_per_row=8192.0 / k,
@@ -45,8 +45,8 @@ def _workload(items: int = 8, widths: tuple[int, ...] = (1, 2, 4), rows: int = 6
         )
     return Workload(
         items=per_width,
-        loss_forward=Line(0.0, 1e-6),
-        loss_backward=Line(0.0, 1e-6),
+        loss_forward=Line.per_row(1e-6),
+        loss_backward=Line.per_row(1e-6),
         optimizer_s_per_byte=1e-10,
         optimizer_state_per_byte=1.0,
         global_rows=rows,

@@ -165,6 +165,12 @@ def test_best_layout_is_the_published_one_or_predicted_faster_with_a_reason() ->
             assert "slower than" in reason and best.layout.describe() in reason
 
 
+def test_interleave_can_be_capped() -> None:
+    row = megatron_table()[-1]
+    plain = best_layout(row.model(), A100, row.gpus, row.batch, max_interleave=1)
+    assert {q.layout.interleave for q in plain.ranked} == {1}
+
+
 def test_bad_layouts_are_plan_errors() -> None:
     with pytest.raises(ms.PlanError, match="does not divide heads"):
         predict(MODEL, A100, Layout(tp=3, pp=1, dp=1, micro_batch=1), 8)

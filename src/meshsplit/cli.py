@@ -14,13 +14,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshsplit import compare_report, data, memory_view, models, tensor, timeline
+from meshsplit import compare_report, data, memory_view, models, plan_view, tensor, timeline
 from meshsplit.checkpoint import CheckpointError
 from meshsplit.compare import CompareConfig
 from meshsplit.compare import compare as run_comparison
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
+from meshsplit.planner.choose import PlanReport, choose_plan
 from meshsplit.simulate import estimate_memory
 
 __all__ = ["main"]
@@ -182,6 +183,13 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in --checkpoint-dir",
     )
     train.add_argument(
+        "--plan",
+        choices=("given", "auto"),
+        default="given",
+        help="auto: the planner's choice for --devices (ignores --dp/--pp/--tp)",
+    )
+    train.add_argument("--devices", type=int, default=2, help="for --plan auto")
+    train.add_argument(
         "--timeline",
         type=Path,
         metavar="DIR",
@@ -200,6 +208,20 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--memory-budget", help="per rank, e.g. 64MiB: plans whose estimate passes it are refused"
     )
+    plan = commands.add_parser(
+        "plan", help="predict every plan's step time and memory, choose one, say why"
+    )
+    plan.add_argument("--model", choices=MODELS, default="transformer")
+    plan.add_argument("--devices", type=int, default=4)
+    plan.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    plan.add_argument("--memory-budget", help="per rank, e.g. 64MiB: plans over it are dropped")
+    plan.add_argument(
+        "--cluster",
+        help="price a machine that is not here: a cluster JSON file or dgx-a100, dgx-h100, "
+        "dgx-h200",
+    )
+    plan.add_argument("--json", type=Path, help="write the whole report here")
+    plan.add_argument("--top", type=int, default=12, help="plans in the table")
     memory = commands.add_parser(
         "memory", help="each rank's memory estimate beside what its worker measures"
     )
@@ -220,8 +242,37 @@ def _first_batch(name: str, plan: Plan, batch_size: int) -> tuple[torch.Tensor, 
     return inputs[:batch_size], targets[:batch_size]
 
 
+def _choose(args: argparse.Namespace, cluster: str | None = None) -> PlanReport:
+    inputs, targets = model_data(args.model, "train")
+    batch = inputs[: args.batch_size], targets[: args.batch_size]
+    return choose_plan(
+        build_model(args.model),
+        batch,
+        args.devices,
+        optimizer=_adam,
+        loss_fn=loss_for(args.model),
+        memory_budget=args.memory_budget,
+        cluster=cluster,
+    )
+
+
+def plan(args: argparse.Namespace) -> None:
+    report = _choose(args, args.cluster)
+    console = Console() if Console().is_terminal else Console(width=160)
+    console.print(plan_view.table(report, top=args.top))
+    if args.json:
+        console.print(f"wrote {plan_view.write(report, args.json)}")
+
+
 def train(args: argparse.Namespace) -> None:
     plan = _plan_from(args)
+    if args.plan == "auto":
+        report = _choose(args)
+        plan = report.best
+        Console().print(
+            f"planner: {plan.describe()}, predicted {report.rows[0].step_time_s * 1e3:.1f} ms "
+            f"per step, the fastest of {len(report.rows)} plans for {args.devices} devices"
+        )
     batch = _first_batch(args.model, plan, args.batch_size)
     if plan.memory_budget is not None:  # refuse before launch what will not fit
         optimizer = functools.partial(_adam, lr=args.lr)
@@ -308,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             compare(args)
         elif args.command == "memory":
             memory(args)
+        elif args.command == "plan":
+            plan(args)
     except (PlanError, CheckpointError) as error:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 2

@@ -19,8 +19,14 @@ from rich.progress import Progress
 
 from meshsplit import data, models
 from meshsplit.engine import parallelize
-from meshsplit.launch import WorkerError, launch
+from meshsplit.launch import WorkerError, launch, threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
+from meshsplit.planner.calibrate import cached_machine
+from meshsplit.planner.choose import with_sharing
+from meshsplit.planner.cost import Prediction, predict
+from meshsplit.planner.machine import Machine
+from meshsplit.planner.measure import measure_workload
+from meshsplit.planner.workload import Workload
 from meshsplit.simulate import estimate_memory
 from meshsplit.traffic import count_traffic
 
@@ -141,10 +147,11 @@ def compare(config: CompareConfig, *, show: bool = True) -> list[dict[str, Any]]
     plans = candidate_plans(config)
     rows: list[dict[str, Any]] = []
     with Progress(console=Console(stderr=True), disable=not show, transient=True) as progress:
-        task = progress.add_task("compare", total=len(plans))
+        task = progress.add_task("measuring the model for the planner", total=len(plans))
+        pricing = _pricing(config)
         for plan in plans:
             progress.update(task, description=f"running {plan.describe()}")
-            rows.append(_row(config, plan, reference))
+            rows.append(_row(config, plan, reference, pricing))
             progress.advance(task)
     best = max((row["samples_per_second"] for row in rows if "refused" not in row), default=0.0)
     for row in rows:
@@ -153,7 +160,64 @@ def compare(config: CompareConfig, *, show: bool = True) -> list[dict[str, Any]]
     return rows
 
 
-def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str, Any]:
+def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:
+    """The planner's view of the model and this machine, to predict each plan beside its run."""
+    workload = measure_workload(
+        _model(config),
+        batches(config)[0],
+        widths=divisors(config.devices),
+        optimizer=_optimizer,
+        loss_fn=_loss_fn(config),
+        threads=threads_per_worker(config.devices),
+    )
+    sizes = sorted({d for d in divisors(config.devices) if d > 1} | {2})
+    machine = with_sharing(
+        cached_machine(tuple(sizes)),
+        _model(config),
+        batches(config)[0],
+        config.devices,
+        _optimizer,
+        _loss_fn(config),
+    )
+    return workload, machine
+
+
+def _predicted(pricing: tuple[Workload, Machine], plan: Plan) -> Prediction | None:
+    workload, machine = pricing
+    if plan.tp not in workload.items:
+        return None
+    return predict(workload, machine, plan)
+
+
+def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Step-time MAPE of the predictions, and whether the predicted best ran fastest (or
+    within 5% of the fastest)."""
+    ran = [row for row in rows if "refused" not in row and "predicted_step_s" in row]
+    if not ran:
+        return {}
+    errors = [abs(r["predicted_step_s"] - r["step_s"]) / r["step_s"] for r in ran]
+    memory = [
+        abs(p - m) / m
+        for r in ran
+        for p, m in zip(r["estimated_peak_bytes"], r["tensor_peak_bytes"], strict=True)
+    ]
+    predicted_best = min(ran, key=lambda r: r["predicted_step_s"])
+    fastest = min(r["step_s"] for r in ran)
+    return {
+        "step_time_mape": sum(errors) / len(errors),
+        "largest_memory_error": max(memory),
+        "predicted_best": predicted_best["plan"],
+        "measured_best": min(ran, key=lambda r: r["step_s"])["plan"],
+        "predicted_best_within_5pct": predicted_best["step_s"] <= 1.05 * fastest,
+    }
+
+
+def _row(
+    config: CompareConfig,
+    plan: Plan,
+    reference: list[float],
+    pricing: tuple[Workload, Machine],
+) -> dict[str, Any]:
     row: dict[str, Any] = {"plan": plan.describe(), "shape": asdict(plan)}
     try:
         plan.check_batch(config.batch_size)
@@ -176,8 +240,13 @@ def _row(config: CompareConfig, plan: Plan, reference: list[float]) -> dict[str,
     matched = torch.allclose(
         torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=1e-6
     )
+    prediction = _predicted(pricing, estimate.plan)
+    if prediction is not None:
+        row["predicted_step_s"] = prediction.step_time_s
+        row["predicted_terms"] = prediction.terms
     return {
         **row,
+        "step_s": slowest / (config.steps - 1),
         "samples_per_second": (config.steps - 1) * config.batch_size / slowest,
         "peak_memory_bytes": peaks,
         "tensor_peak_bytes": [r["memory"]["tensor_peak_bytes"] for r in results],

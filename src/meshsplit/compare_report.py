@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from meshsplit.compare import LOSS_RTOL, CompareConfig
+from meshsplit.compare import LOSS_RTOL, CompareConfig, accuracy
 
 __all__: list[str] = []
 
@@ -21,17 +21,21 @@ def _cells(row: dict[str, Any]) -> list[str]:
     """One plan's figures as text, in the column order of HEADERS."""
     if "refused" in row:
         return [row["plan"], "refused"] + [""] * (len(HEADERS) - 2)
-    peaks = row["peak_memory_bytes"]
+    predicted = row.get("predicted_step_s")
+    error = (
+        "" if predicted is None else f"{100 * (predicted - row['step_s']) / row['step_s']:+.0f}%"
+    )
     return [
         row["plan"],
         f"{row['samples_per_second']:.0f}",
         f"{row['ratio_to_best']:.2f}",
-        f"{max(peaks) / _MIB:.0f}",
-        f"{min(peaks) / _MIB:.0f}",
+        f"{row['step_s'] * 1e3:.1f}",
+        "" if predicted is None else f"{predicted * 1e3:.1f}",
+        error,
         f"{max(row['estimated_peak_bytes']) / _MIB:.1f}",
         f"{max(row['tensor_peak_bytes']) / _MIB:.1f}",
+        f"{max(row['peak_memory_bytes']) / _MIB:.0f}",
         f"{row['bytes_per_step'] / _MIB:.2f}",
-        f"{row['final_loss']:.4f}",
         "yes" if row["loss_matches"] else "NO",
     ]
 
@@ -40,24 +44,40 @@ HEADERS = [
     "plan",
     "samples/s",
     "vs best",
-    "peak MiB max",
-    "peak MiB min",
+    "step ms",
+    "predicted",
+    "error",
     "tensors MiB est",
     "tensors MiB",
+    "peak MiB",
     "MiB sent/step",
-    "final loss",
     "= 1 device",
 ]
-"""Peak memory is what training added per rank (largest and smallest rank) above the
-process's memory before the model existed; tensors MiB is the largest rank's peak of live
-tensor bytes in one step, estimated before launch (est) and measured; MiB sent sums all
-ranks."""
+"""step ms is measured (slowest rank), predicted is the planner's; tensors MiB is the largest
+rank's peak of live tensor bytes in one step, estimated before launch (est) and measured;
+peak MiB is the most training added to one rank's process memory; MiB sent sums all ranks."""
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """The planner against the runs, in one line."""
+    figures = accuracy(rows)
+    if not figures:
+        return ""
+    verdict = "was" if figures["predicted_best"] == figures["measured_best"] else "was not"
+    within = "within 5% of it" if figures["predicted_best_within_5pct"] else "more than 5% slower"
+    return (
+        f"planner: step-time MAPE {100 * figures['step_time_mape']:.1f}%, largest per-rank "
+        f"memory error {100 * figures['largest_memory_error']:.1f}%; predicted best "
+        f"{figures['predicted_best']} {verdict} the measured best "
+        f"({figures['measured_best']}), {within}"
+    )
 
 
 def table(config: CompareConfig, rows: list[dict[str, Any]]) -> Table:
     title = f"{config.model} on {config.devices} workers, global batch {config.batch_size}"
     refusals = [f"{row['plan']}: {row['refused']}" for row in rows if "refused" in row]
-    result = Table(title=title, caption="\n".join(refusals) or None, caption_justify="left")
+    notes = [line for line in [summary(rows), *refusals] if line]
+    result = Table(title=title, caption="\n".join(notes) or None, caption_justify="left")
     for header in HEADERS:
         left = header == "plan"
         result.add_column(header, justify="left" if left else "right", no_wrap=left)
@@ -79,7 +99,13 @@ def write(config: CompareConfig, rows: list[dict[str, Any]], out: Path) -> list[
     """compare.json (all figures), compare.md (the table), compare.png (throughput, memory)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "compare.json", out / "compare.md", out / "compare.png"]
-    document = {"config": vars(config), "machine": machine(), "loss_rtol": LOSS_RTOL, "plans": rows}
+    document = {
+        "config": vars(config),
+        "machine": machine(),
+        "loss_rtol": LOSS_RTOL,
+        "planner": accuracy(rows),
+        "plans": rows,
+    }
     paths[0].write_text(json.dumps(document, indent=2))
     paths[1].write_text(_markdown(config, rows))
     _figure(config, rows, paths[2])
@@ -98,7 +124,7 @@ def _markdown(config: CompareConfig, rows: list[dict[str, Any]]) -> str:
         "|" + "---|" * len(HEADERS),
     ]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
-    lines += [""] + [
+    lines += ["", summary(rows)] + [
         f"- {row['plan']} refused: {row['refused']}" for row in rows if "refused" in row
     ]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from meshsplit.plan import Plan, PlanError, divisors
 from meshsplit.planner.cost import Prediction
 from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import Machine
-from meshsplit.planner.measure import measure_workload
+from meshsplit.planner.measure import measure_sharing, measure_workload
 from meshsplit.planner.search import search
 from meshsplit.simulate import estimate_memory
 
@@ -112,6 +112,8 @@ def choose_plan(
     Plan(memory_budget=memory_budget)  # a bad budget is refused before any work
     if machine is None:
         machine = _machine(devices, cluster)
+        if cluster is None:
+            machine = with_sharing(machine, model, example_batch, devices, optimizer, loss_fn)
     workload = measure_workload(
         model,
         example_batch,
@@ -179,6 +181,21 @@ def _per_rank(prediction: Prediction) -> list[int]:
         for stage in range(plan.pp)
         for _ in range(plan.tp)
     ]
+
+
+def with_sharing(
+    machine: Machine,
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    devices: int,
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+) -> Machine:
+    """`machine` with the measured slowdown of `devices` workers running this model at once."""
+    if machine.cores is None or devices < 2:
+        return machine
+    slowdown = measure_sharing(model, batch, devices, optimizer=optimizer, loss_fn=loss_fn)
+    return replace(machine, compute_slowdown={**machine.compute_slowdown, devices: slowdown})
 
 
 def _machine(devices: int, cluster: str | None) -> Machine:

@@ -34,7 +34,7 @@ class Cluster:
 
     name: str
     """Short name, e.g. 'dgx-a100'."""
-    flops: Mapping[str, float]
+    flops: Mapping[str, float] = field(hash=False)
     """Peak dense (no sparsity) FLOP/s of one device by dtype, e.g. {'bf16': 312e12}."""
     memory_bytes: float
     """HBM capacity of one device in bytes."""
@@ -54,7 +54,7 @@ class Cluster:
     """Fraction of a link's bandwidth NCCL collectives reach (bus bandwidth / spec)."""
     description: str = ""
     """One line on what the figures describe."""
-    sources: Mapping[str, str] = field(default_factory=dict)
+    sources: Mapping[str, str] = field(default_factory=dict, hash=False)
     """Where each figure comes from, by field name."""
 
     def peak_flops(self, dtype: str) -> float:

@@ -240,9 +240,11 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     )
     finish = [max(i.end_s for i in intervals if i.stage == s) for s in range(plan.pp)]
     finish_quiet = [max(i.end_s for i in quiet if i.stage == s) for s in range(plan.pp)]
+    # a collective on a host whose cores are all computing waits for one: no overlap there
+    overlap = 0.0 if machine.cores is not None and plan.world_size >= machine.cores else 1.0
     totals = []
     for s, st in enumerate(stages):
-        dp_exposed = dp_exposed_s(machine, plan, st.trainable_bytes, st.b)
+        dp_exposed = dp_exposed_s(machine, plan, st.trainable_bytes, overlap * st.b)
         shard = plan.dp if plan.zero else 1
         optimizer = workload.optimizer_s_per_byte * st.trainable_bytes / shard
         if plan.zero and plan.dp > 1:
@@ -252,12 +254,13 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     busy = sum(m * (st.f + st.b) + totals[s][1] + totals[s][2] for s, st in enumerate(stages)) * (
         plan.dp * plan.tp
     )
-    floor = 0.0
+    step = path
     if machine.cores is not None:
         workers = plan.world_size
-        effective = workers / machine.slowdown(workers)
-        floor = busy / effective + workload.step_overhead_s
-    step = max(path, floor)
+        slowdown = machine.slowdown(workers)
+        if workers >= machine.cores:  # every core busy: waits and work all stretch
+            step = path * slowdown
+        step = max(step, busy * slowdown / workers + workload.step_overhead_s)
     critical = max(range(plan.pp), key=lambda s: stages[s].f + stages[s].b)
     st = stages[critical]
     _, dp_exposed, optimizer = totals[critical]
@@ -303,6 +306,6 @@ def _memory(workload: Workload, plan: Plan, stages: list[_Stage], s: int) -> int
     saved = st.input_bytes + st.largest_output if _recomputes(plan, s) else st.saved_bytes
     activations = in_flight * saved + (st.saved_bytes if _recomputes(plan, s) else 0.0)
     buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)
-    state = st.parameter_bytes + st.trainable_bytes
+    state = float(st.parameter_bytes + st.trainable_bytes)
     state += workload.optimizer_state_per_byte * st.trainable_bytes / shard
     return int(state + activations + buffers + 2 * st.largest_output)

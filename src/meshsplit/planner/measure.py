@@ -27,6 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.launch import launch, threads_per_worker
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.plan import Plan, PlanError
@@ -54,7 +55,7 @@ def measure_workload(
         raise RuntimeError("measure the workload outside ms.launch (it simulates ranks)")
     inputs, targets = batch
     global_rows = rows(inputs)
-    sizes = sorted({max(1, global_rows // 8), global_rows})
+    sizes = sorted({max(1, global_rows >> k) for k in range(7)})
     rng, threads_before = torch.get_rng_state(), torch.get_num_threads()
     torch.set_num_threads(threads or threads_before)
     items: dict[int, tuple[Item, ...]] = {}
@@ -75,7 +76,7 @@ def measure_workload(
         items=items,
         refused=refused,
         global_rows=global_rows,
-        **whole,  # type: ignore[arg-type]
+        **whole,
     )
 
 
@@ -110,28 +111,26 @@ def _items(
     engine = _split(model, width, loss_fn, inputs)
     module = engine.module
     timed = [find_cuts(module, take_rows(inputs, slice(0, n)), Plan(), lambda c: c) for n in sizes]
-    cuts = timed[-1]
+    cuts, high = timed[-1], sizes[-1]
     counts = _count(
-        cuts,
-        engine,
-        take_rows(inputs, slice(0, sizes[-1])),
-        take_rows(targets, slice(0, sizes[-1])),
+        cuts, engine, take_rows(inputs, slice(0, high)), take_rows(targets, slice(0, high))
     )
-    low, high = sizes[0], sizes[-1]
     result = []
     for index, name in enumerate(cuts.names):
-        a, b = timed[0].costs[index], cuts.costs[index]
-        count = counts[index]
-        module_i = cuts.modules[index]
+        count, part = counts[index], cuts.modules[index]
+        forward = [(n, t.costs[index].forward_ms / 1e3) for n, t in zip(sizes, timed, strict=True)]
+        backward = [
+            (n, t.costs[index].backward_ms / 1e3) for n, t in zip(sizes, timed, strict=True)
+        ]
         result.append(
             Item(
                 name=name,
-                forward=Line.through(low, a.forward_ms / 1e3, high, b.forward_ms / 1e3),
-                backward=Line.through(low, a.backward_ms / 1e3, high, b.backward_ms / 1e3),
-                parameter_bytes=tensor_bytes([*module_i.parameters(), *module_i.buffers()]),
-                output_bytes_per_row=b.activation_bytes / high,
+                forward=Line(tuple(forward)),
+                backward=Line(tuple(backward)),
+                parameter_bytes=tensor_bytes([*part.parameters(), *part.buffers()]),
+                output_bytes_per_row=cuts.costs[index].activation_bytes / high,
                 saved_bytes_per_row=count.saved / high,
-                trainable=any(p.requires_grad for p in module_i.parameters()),
+                trainable=any(p.requires_grad for p in part.parameters()),
                 forward_flops_per_row=count.flops[0] / high,
                 backward_flops_per_row=count.flops[1] / high,
                 forward_traffic=count.traffic(0, high),
@@ -290,8 +289,8 @@ def _whole_step(
         parts += sum(i.forward.at(n) + i.backward.at(n) for i in items)
     engine.close()
     return {
-        "loss_forward": Line(0.0, loss_forward / n),
-        "loss_backward": Line(0.0, loss_backward / n),
+        "loss_forward": Line.per_row(loss_forward / n),
+        "loss_backward": Line.per_row(loss_backward / n),
         "optimizer_s_per_byte": min(optimizer_s[1:]) / max(1, parameter_bytes),
         "optimizer_state_per_byte": state / max(1, parameter_bytes),
         "step_overhead_s": max(0.0, min(steps[1:]) - parts),
@@ -314,3 +313,52 @@ def _time_loss(engine: Engine, inputs: Any, targets: Any) -> tuple[float, float]
     middle = time.perf_counter()
     loss.backward()
     return middle - started, time.perf_counter() - middle
+
+
+def measure_sharing(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    workers: int,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    steps: int = 6,
+) -> float:
+    """How much longer this model's own step takes when `workers` processes run it at once
+    (each with the threads a worker gets) than in one such process alone.
+
+    A matmul loop understates it: a step is many small ops, and workers also share what
+    their collectives' threads poll with. This is the factor the cost model stretches a
+    plan by on a host whose cores its workers fill.
+    """
+    alone = launch(_plain_steps, 1, args=(model, batch, optimizer, loss_fn, steps, workers))
+    together = launch(
+        _plain_steps, workers, args=(model, batch, optimizer, loss_fn, steps, workers)
+    )
+    return max(1.0, max(together) / alone[0])
+
+
+def _plain_steps(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    steps: int,
+    workers: int,
+) -> float:
+    """Runs in each worker: the median of `steps` unsplit steps on 1/workers of the batch."""
+    torch.set_num_threads(threads_per_worker(workers))
+    inputs, targets = batch
+    share = max(1, rows(inputs) // workers)
+    x, y = take_rows(inputs, slice(0, share)), take_rows(targets, slice(0, share))
+    plain = copy.deepcopy(model)
+    step_optimizer = (optimizer or (lambda p: torch.optim.SGD(p, lr=0.01)))(plain.parameters())
+    loss_of = loss_fn or nn.CrossEntropyLoss()
+    times = []
+    for _ in range(steps + 2):
+        started = time.perf_counter()
+        step_optimizer.zero_grad()
+        loss_of(call_model(plain, x), y).backward()
+        step_optimizer.step()
+        times.append(time.perf_counter() - started)
+    return sorted(times[2:])[len(times[2:]) // 2]

@@ -34,7 +34,7 @@ the Adam step (memory-bound over the local parameters). Memory per GPU: `paper_m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from meshsplit.plan import PlanError, divisors
@@ -297,6 +297,20 @@ class Ranking:
         return [(q, self.why(q)) for q in (*self.ranked[1:], *self.infeasible)]
 
 
+def _candidates(
+    model: GPTModel, gpus: int, batch: int, micro_batches: tuple[int, ...]
+) -> Iterator[Layout]:
+    """Every layout the model, GPU count and batch allow (t | heads, p*v | l, d*b | B)."""
+    for t in divisors(model.heads):
+        for p in (p for p in divisors(model.layers) if gpus % (t * p) == 0):
+            d = gpus // (t * p)
+            for b in (b for b in micro_batches if batch % (d * b) == 0):
+                m = batch // (d * b)
+                for v in divisors(model.layers // p):
+                    if v == 1 or (p > 1 and m % p == 0):
+                        yield Layout(tp=t, pp=p, dp=d, micro_batch=b, interleave=v)
+
+
 def best_layout(
     model: GPTModel,
     cluster: Cluster,
@@ -306,28 +320,23 @@ def best_layout(
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     max_tp: int | None = None,
     mesh: tuple[int, int, int] | None = None,
+    max_interleave: int | None = None,
 ) -> Ranking:
     """Price every (t, p, d) with t*p*d = gpus, t | heads, t <= max_tp (default two nodes),
     p | layers, each micro-batch size and each interleave v | l/p, and rank them.
 
-    `mesh=(t, p, d)` prices only that mesh (over micro-batch and interleave).
+    `mesh=(t, p, d)` prices only that mesh (over micro-batch and interleave);
+    `max_interleave` caps v (None: any divisor of l/p; 1: plain 1F1B only).
     """
     limit = max_tp if max_tp is not None else 2 * cluster.devices_per_node
-    layouts = []
-    for t in divisors(model.heads):
-        for p in divisors(model.layers):
-            if t > limit or gpus % (t * p):
-                continue
-            d = gpus // (t * p)
-            if mesh is not None and (t, p, d) != mesh:
-                continue
-            for b in micro_batches:
-                if batch % (d * b):
-                    continue
-                m = batch // (d * b)
-                for v in divisors(model.layers // p):
-                    if v == 1 or (p > 1 and m % p == 0):
-                        layouts.append(Layout(tp=t, pp=p, dp=d, micro_batch=b, interleave=v))
+    chunks = max_interleave if max_interleave is not None else model.layers
+    layouts = [
+        layout
+        for layout in _candidates(model, gpus, batch, micro_batches)
+        if layout.tp <= limit
+        and layout.interleave <= chunks
+        and (mesh is None or layout.mesh == mesh)
+    ]
     if not layouts:
         raise PlanError(
             f"no layout of {gpus} GPUs splits {model.name or 'the model'} (heads={model.heads}, "

@@ -16,21 +16,27 @@ __all__: list[str] = []
 
 @dataclass(frozen=True)
 class Line:
-    """seconds = fixed_s + per_row_s * rows (never below zero)."""
+    """Seconds at a micro-batch's rows: straight between measured (rows, seconds) points,
+    extended past the ends along the nearest segment (never below zero).
 
-    fixed_s: float
-    per_row_s: float
+    Small batches on a CPU are not proportional (fixed costs dominate), so an item is
+    measured at every power of two of rows a plan can give it, not at two sizes.
+    """
+
+    points: tuple[tuple[float, float], ...]
 
     def at(self, rows: float) -> float:
-        return max(0.0, self.fixed_s + self.per_row_s * rows)
+        points = self.points
+        if len(points) == 1:
+            return max(0.0, points[0][1] * rows / points[0][0])
+        index = next((i for i, (r, _) in enumerate(points) if r >= rows), len(points) - 1)
+        index = min(max(index, 1), len(points) - 1)
+        (r0, s0), (r1, s1) = points[index - 1], points[index]
+        return max(0.0, s0 + (s1 - s0) * (rows - r0) / (r1 - r0))
 
     @classmethod
-    def through(cls, rows_a: float, seconds_a: float, rows_b: float, seconds_b: float) -> Line:
-        """The line through two measurements (flat if the rows are equal)."""
-        if rows_a == rows_b:
-            return cls(min(seconds_a, seconds_b), 0.0)
-        slope = max(0.0, (seconds_b - seconds_a) / (rows_b - rows_a))
-        return cls(max(0.0, seconds_a - slope * rows_a), slope)
+    def per_row(cls, seconds_per_row: float) -> Line:
+        return cls(((1.0, seconds_per_row),))
 
 
 @dataclass(frozen=True)
