@@ -58,6 +58,12 @@ def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
     assert all(row["loss_matches"] for row in ran)
     assert max(row["ratio_to_best"] for row in ran) == 1.0
     assert all(len(row["peak_memory_bytes"]) == 4 for row in ran)
+    # the planner's prediction beside each run: memory exact per rank, time in the right range
+    planner = json.loads((tmp_path / "compare.json").read_text())["planner"]
+    assert planner["largest_memory_error"] <= 0.10
+    assert all(row["predicted_step_s"] > 0 for row in ran)
+    assert planner["step_time_mape"] < 0.6
+    assert "planner: step-time MAPE" in done.stdout
     assert "dp4 pp1 tp1" in done.stdout
 
 

@@ -1,6 +1,6 @@
 """meshsplit: train one PyTorch model on many devices (data, layer and operator split)."""
 
-from meshsplit import data, models, tensor
+from meshsplit import data, models, tensor, timeline
 from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
@@ -8,6 +8,7 @@ from meshsplit.memory.estimate import MemoryEstimate, RankEstimate
 from meshsplit.memory.report import MemoryReport
 from meshsplit.memory.tracker import MemoryBudgetError
 from meshsplit.plan import Plan, PlanError
+from meshsplit.planner.choose import PlanReport, PlanRow, choose_plan
 from meshsplit.simulate import estimate_memory
 
 __all__ = [
@@ -18,8 +19,11 @@ __all__ = [
     "MemoryReport",
     "Plan",
     "PlanError",
+    "PlanReport",
+    "PlanRow",
     "RankEstimate",
     "WorkerError",
+    "choose_plan",
     "data",
     "estimate_memory",
     "launch",
@@ -27,4 +31,5 @@ __all__ = [
     "models",
     "parallelize",
     "tensor",
+    "timeline",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Plan", "PlanError"]
 
@@ -104,6 +105,14 @@ class Plan:
             parse_bytes(self.memory_budget, "Plan.memory_budget")
         if self.bucket_mb <= 0:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
+
+    @classmethod
+    def auto(cls, model: Any, example_batch: tuple[Any, Any], devices: int, **options: Any) -> Plan:
+        """The planner's fastest plan for `devices` devices (see `ms.choose_plan`, which takes
+        the same arguments and also says why the others lost)."""
+        from meshsplit.planner.choose import choose_plan  # the planner sits above the plan
+
+        return choose_plan(model, example_batch, devices, **options).best
 
     @property
     def budget_bytes(self) -> int | None:
