@@ -15,8 +15,10 @@ activation; the makespan M of that list is the pipeline part. After it:
     optimizer: seconds per byte of parameters it updates (1/dp of them under zero)
     T_path = max over stages (finish_s + dp_s + optimizer_s) + step overhead
 
-On a host whose workers share its cores, every busy second of every rank needs a core:
-T = max(T_path, Σ busy / effective cores). `terms` splits T into what the slowest rank
+On a host whose workers share its cores, every busy second of every rank needs a core, and
+when they fill them (N >= cores) waits and work alike stretch by the measured slowdown s(N) of
+N workers running this model at once: T = max(T_path · s(N), Σ busy · s(N) / N), and the
+bucketed all-reduce no longer hides behind backward (its threads need the same cores). `terms` splits T into what the slowest rank
 spends: compute, recompute, communication per axis, bubble, optimizer, sharing, overhead.
 """
 
