@@ -18,8 +18,9 @@ activation; the makespan M of that list is the pipeline part. After it:
 On a host whose workers share its cores, every busy second of every rank needs a core, and
 when they fill them (N >= cores) waits and work alike stretch by the measured slowdown s(N) of
 N workers running this model at once: T = max(T_path · s(N), Σ busy · s(N) / N), and the
-bucketed all-reduce no longer hides behind backward (its threads need the same cores). `terms` splits T into what the slowest rank
-spends: compute, recompute, communication per axis, bubble, optimizer, sharing, overhead.
+bucketed all-reduce no longer hides behind backward (its threads need the same cores).
+`terms` splits T into what the busiest rank spends: compute, recompute, communication per
+axis, bubble, optimizer, sharing, overhead.
 """
 
 from __future__ import annotations
