@@ -49,7 +49,7 @@ def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
         timeout=540,
     )
     assert done.returncode == 0, done.stderr
-    for name in ("compare.json", "compare.md", "compare.png"):
+    for name in ("compare.json", "compare.md", "compare.png", "timeline.json", "timeline.png"):
         assert (tmp_path / name).stat().st_size > 0
     rows = json.loads((tmp_path / "compare.json").read_text())["plans"]
     assert len(rows) == 6
@@ -64,6 +64,9 @@ def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
     assert all(row["predicted_step_s"] > 0 for row in ran)
     assert planner["step_time_mape"] < 0.6
     assert "planner: step-time MAPE" in done.stdout
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    slices = [e for e in trace if e.get("ph") == "X"]
+    assert {e["pid"] for e in slices} == {1, 2}  # the measured step and the predicted one
     assert "dp4 pp1 tp1" in done.stdout
 
 

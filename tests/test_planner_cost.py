@@ -167,3 +167,18 @@ def test_a_losing_plan_is_told_its_losing_term() -> None:
     assert "ms" in sentence and "KiB" in sentence or "MiB" in sentence
     same = reason(best, best, machine)
     assert "as fast as the best" in same
+
+
+def test_the_predicted_schedule_is_drawn_as_each_stage_runs_it() -> None:
+    from meshsplit.timeline import predicted_events
+
+    plan = ms.Plan(pp=2, micro_batches=4)
+    prediction = predict(_workload(), _machine(cores=2), plan)
+    events = predicted_events(prediction)
+    for stage, actions in enumerate(schedule("1f1b", 2, 4)):
+        mine = sorted((e for e in events if e.rank == stage), key=lambda e: e.start_s)
+        names = [e.name for e in mine if e.kind in ("forward", "backward")]
+        kinds = {"F": "forward", "B": "backward"}
+        assert names == [f"{kinds[a.kind]}, micro-batch {a.micro}" for a in actions]
+        assert mine[-1].name == "optimizer step"
+    assert max(e.end_s for e in events) <= prediction.step_time_s * (1 + 1e-9)

@@ -21,7 +21,7 @@ from meshsplit.compare import compare as run_comparison
 from meshsplit.engine import Engine, parallelize
 from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
-from meshsplit.planner.choose import PlanReport, choose_plan
+from meshsplit.planner.choose import PlanReport, choose_plan, predict_plan
 from meshsplit.simulate import estimate_memory
 
 __all__ = ["main"]
@@ -91,19 +91,25 @@ def _train_worker(options: dict[str, Any]) -> dict[str, Any]:
     memory = engine.memory_report().as_dict()
     if options["timeline"] is not None:
         first = (train_data[0][: options["batch_size"]], train_data[1][: options["batch_size"]])
-        _write_timeline(engine, first, options["timeline"])
+        _write_timeline(engine, first, options["timeline"], options["predicted"])
     engine.close()
     return {"history": history, "memory": memory, "test_accuracy": scores["test_accuracy"]}
 
 
-def _write_timeline(engine: Engine, batch: tuple[Any, Any], directory: Path) -> None:
-    """One more step, recorded on every rank; rank 0 writes timeline.json and timeline.png."""
+def _write_timeline(
+    engine: Engine,
+    batch: tuple[Any, Any],
+    directory: Path,
+    predicted: list[timeline.Event] | None,
+) -> None:
+    """One more step, recorded on every rank; rank 0 writes timeline.json and timeline.png,
+    with the planner's predicted schedule beside the measured one."""
     events = timeline.record_step(engine, *batch)
     if engine.mesh.is_first_rank:
         directory.mkdir(parents=True, exist_ok=True)
-        timeline.write_chrome_trace(events, directory / "timeline.json")
-        title = f"one training step, {engine.plan.describe()}"
-        timeline.draw_gantt(events, directory / "timeline.png", title=title)
+        timeline.write_chrome_trace(events, directory / "timeline.json", predicted)
+        title = f"one training step, {engine.plan.describe()}: measured and predicted"
+        timeline.draw_gantt(events, directory / "timeline.png", predicted, title=title)
 
 
 def operator_split_table(rows: list[dict[str, str]]) -> Table:
@@ -295,7 +301,17 @@ def train(args: argparse.Namespace) -> None:
         "checkpoint_dir": args.checkpoint_dir,
         "resume": args.resume,
         "timeline": args.timeline,
+        "predicted": None,
     }
+    if args.timeline is not None:  # the planner's schedule of the same step, to draw beside it
+        prediction = predict_plan(
+            build_model(args.model),
+            batch,
+            plan,
+            optimizer=functools.partial(_adam, lr=args.lr),
+            loss_fn=loss_for(args.model),
+        )
+        options["predicted"] = timeline.predicted_events(prediction)
     results = launch(_train_worker, plan.world_size, args=(options,))
     history = results[0]["history"]
     last = history[-1] if history else {"loss": None, "samples_per_second": None}
@@ -329,7 +345,7 @@ def compare(args: argparse.Namespace) -> None:
     )
     if config.devices < 1:
         raise PlanError(f"--devices={config.devices} must be at least 1")
-    rows = run_comparison(config)
+    rows = run_comparison(config, record=True)
     console = Console()
     if not console.is_terminal:  # piped or logged: room for every column
         console = Console(width=120)

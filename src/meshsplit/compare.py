@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from meshsplit import data, models
+from meshsplit import data, models, timeline
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch, threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
@@ -139,8 +139,12 @@ def reference_losses(config: CompareConfig) -> list[float]:
     return losses
 
 
-def compare(config: CompareConfig, *, show: bool = True) -> list[dict[str, Any]]:
-    """Run every candidate plan; one row per plan (refused plans say why)."""
+def compare(
+    config: CompareConfig, *, show: bool = True, record: bool = False
+) -> list[dict[str, Any]]:
+    """Run every candidate plan; one row per plan (refused plans say why). With `record`,
+    the plan the planner predicted fastest runs once more with one step recorded, and its
+    row's "timeline" holds the measured and the predicted events."""
     if config.steps < 2:
         raise PlanError(f"steps={config.steps}: compare needs at least 2 (the first is untimed)")
     reference = reference_losses(config)
@@ -153,11 +157,38 @@ def compare(config: CompareConfig, *, show: bool = True) -> list[dict[str, Any]]
             progress.update(task, description=f"running {plan.describe()}")
             rows.append(_row(config, plan, reference, pricing))
             progress.advance(task)
+        predicted = [row for row in rows if "predicted_step_s" in row]
+        if record and predicted:
+            chosen = min(predicted, key=lambda row: row["predicted_step_s"])
+            progress.update(task, description=f"recording one step of {chosen['plan']}")
+            chosen["timeline"] = _timeline(config, Plan(**chosen["shape"]), pricing)
     best = max((row["samples_per_second"] for row in rows if "refused" not in row), default=0.0)
     for row in rows:
         if "refused" not in row:
             row["ratio_to_best"] = row["samples_per_second"] / best
     return rows
+
+
+def _timeline(
+    config: CompareConfig, plan: Plan, pricing: tuple[Workload, Machine]
+) -> dict[str, list[timeline.Event]]:
+    measured = launch(_record_step, plan.world_size, args=(config, plan))[0]
+    prediction = _predicted(pricing, plan)
+    return {
+        "measured": measured,
+        "predicted": [] if prediction is None else timeline.predicted_events(prediction),
+    }
+
+
+def _record_step(config: CompareConfig, plan: Plan) -> list[timeline.Event]:
+    """Runs in every worker: one warm-up step, then one recorded step of `plan`."""
+    steps = batches(config)
+    engine = parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=_loss_fn(config))
+    engine.memory.track = False
+    engine.train_step(*steps[0])
+    events = timeline.record_step(engine, *steps[1])
+    engine.close()
+    return events
 
 
 def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from meshsplit import timeline
 from meshsplit.compare import LOSS_RTOL, CompareConfig, accuracy
 
 __all__: list[str] = []
@@ -96,9 +97,24 @@ def machine() -> dict[str, Any]:
 
 
 def write(config: CompareConfig, rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """compare.json (all figures), compare.md (the table), compare.png (throughput, memory)."""
+    """compare.json (all figures), compare.md (the table), compare.png (throughput, memory),
+    and timeline.json / timeline.png of the predicted best plan's step when it was recorded."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "compare.json", out / "compare.md", out / "compare.png"]
+    for row in rows:  # the chosen plan's recorded step: a trace and a Gantt chart of its own
+        recorded = row.pop("timeline", None)
+        if recorded is not None:
+            paths.append(
+                timeline.write_chrome_trace(
+                    recorded["measured"], out / "timeline.json", recorded["predicted"]
+                )
+            )
+            title = f"{config.model}, {row['plan']} (the predicted best): measured and predicted"
+            paths.append(
+                timeline.draw_gantt(
+                    recorded["measured"], out / "timeline.png", recorded["predicted"], title=title
+                )
+            )
     document = {
         "config": vars(config),
         "machine": machine(),

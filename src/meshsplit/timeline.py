@@ -31,8 +31,17 @@ from meshsplit import phases
 
 if TYPE_CHECKING:
     from meshsplit.engine import Engine
+    from meshsplit.planner.cost import Prediction
 
-__all__ = ["KINDS", "Event", "draw_gantt", "record", "record_step", "write_chrome_trace"]
+__all__ = [
+    "KINDS",
+    "Event",
+    "draw_gantt",
+    "predicted_events",
+    "record",
+    "record_step",
+    "write_chrome_trace",
+]
 
 KINDS = {
     "forward": "#4c72b0",
@@ -232,3 +241,30 @@ def draw_gantt(
     figure.savefig(target, dpi=110)
     plt.close(figure)
     return target
+
+
+def predicted_events(prediction: Prediction) -> list[Event]:
+    """The planner's schedule of one step as events on the first rank of each stage: its
+    forwards and backwards, then gradient sync and the optimizer step (stretched, like the
+    predicted step, by the cores the workers share)."""
+    plan, terms = prediction.plan, prediction.terms
+    stretch = prediction.step_time_s / max(1e-12, prediction.step_time_s - terms["sharing"])
+    events = []
+    for interval in prediction.intervals:
+        kind = "forward" if interval.kind == "F" else "backward"
+        events.append(
+            Event(
+                rank=interval.stage * plan.tp,
+                name=f"{kind}, micro-batch {interval.micro}",
+                start_s=interval.start_s * stretch,
+                end_s=interval.end_s * stretch,
+                kind=kind,
+            )
+        )
+    for stage in range(plan.pp):
+        end = max(e.end_s for e in events if e.rank == stage * plan.tp)
+        sync = end + terms["communication_dp"] * stretch
+        events.append(Event(stage * plan.tp, "gradient sync", end, sync, kind="sync"))
+        optimizer = sync + terms["optimizer"] * stretch
+        events.append(Event(stage * plan.tp, "optimizer step", sync, optimizer, kind="optimizer"))
+    return events

@@ -20,6 +20,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -296,10 +297,13 @@ def _has(machine: Machine, group: int) -> bool:
 
 
 def _merge(old: Machine, new: Machine) -> Machine:
-    """`old` with `new`'s measurements added (new wins where both hold a group size)."""
+    """`old` with `new`'s measurements added (new wins where both hold a group size).
+
+    Fields this module does not measure stay as `old` had them.
+    """
     links = {op: {**old.links.get(op, {}), **new.links.get(op, {})} for op in OPERATIONS}
     slowdown = {**old.compute_slowdown, **new.compute_slowdown}
-    return Machine(name=new.name, links=links, cores=new.cores, compute_slowdown=slowdown)
+    return replace(old, name=new.name, links=links, cores=new.cores, compute_slowdown=slowdown)
 
 
 def _read(path: Path, key: str) -> Machine | None:

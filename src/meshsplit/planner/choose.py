@@ -18,11 +18,12 @@ from meshsplit.batch import LossFn
 from meshsplit.engine import OptimizerFactory
 from meshsplit.launch import threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
-from meshsplit.planner.cost import Prediction
+from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import Machine
-from meshsplit.planner.measure import measure_sharing, measure_workload
+from meshsplit.planner.measure import measure_workload
 from meshsplit.planner.search import search
+from meshsplit.planner.sharing import measure_sharing
 from meshsplit.simulate import estimate_memory
 
 __all__ = ["PlanReport", "PlanRow", "choose_plan"]
@@ -183,6 +184,29 @@ def _per_rank(prediction: Prediction) -> list[int]:
     ]
 
 
+def predict_plan(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    plan: Plan,
+    *,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+) -> Prediction:
+    """The planner's prediction of one plan on this machine (measures the model for it)."""
+    workload = measure_workload(
+        model,
+        batch,
+        widths=[plan.tp],
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        threads=threads_per_worker(plan.world_size),
+    )
+    machine = with_sharing(
+        _machine(plan.world_size, None), model, batch, plan.world_size, optimizer, loss_fn
+    )
+    return predict(workload, machine, plan)
+
+
 def with_sharing(
     machine: Machine,
     model: nn.Module,
@@ -191,11 +215,15 @@ def with_sharing(
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
 ) -> Machine:
-    """`machine` with the measured slowdown of `devices` workers running this model at once."""
+    """`machine` with how `devices` workers running this model slow each other down."""
     if machine.cores is None or devices < 2:
         return machine
-    slowdown = measure_sharing(model, batch, devices, optimizer=optimizer, loss_fn=loss_fn)
-    return replace(machine, compute_slowdown={**machine.compute_slowdown, devices: slowdown})
+    slowdown, message = measure_sharing(model, batch, devices, optimizer=optimizer, loss_fn=loss_fn)
+    return replace(
+        machine,
+        compute_slowdown={**machine.compute_slowdown, devices: slowdown},
+        message_s={**machine.message_s, devices: message},
+    )
 
 
 def _machine(devices: int, cluster: str | None) -> Machine:

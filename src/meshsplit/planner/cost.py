@@ -103,6 +103,19 @@ def _traffic_s(machine: Machine, traffic: Sequence[Traffic], rows: float, width:
     return total
 
 
+def _message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
+    """One activation (or its gradient) to the next stage: the link's price, or at least
+    what a message to a waiting rank measured with this many workers (in unstretched time:
+    the step is stretched by the cores' sharing afterwards)."""
+    link = machine.seconds("send_recv", 2, nbytes)
+    workers = plan.world_size
+    if workers not in machine.message_s:
+        return link
+    loaded = machine.message_s[workers] + nbytes / machine.link("send_recv", 2).bytes_per_s
+    stretch = machine.slowdown(workers) if machine.cores and workers >= machine.cores else 1.0
+    return max(link, loaded / stretch)
+
+
 def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> float:
     if machine.flop_per_s is not None:
         flops = item.backward_flops_per_row if backward else item.forward_flops_per_row
@@ -168,7 +181,7 @@ def _stages(workload: Workload, machine: Machine, plan: Plan, rows: float) -> li
             stage.input_bytes = items[starts[s] - 1].output_bytes_per_row * rows
         if s < plan.pp - 1:
             stage.send_bytes = run[-1].output_bytes_per_row * rows
-            stage.send_s = machine.seconds("send_recv", 2, stage.send_bytes)
+            stage.send_s = _message_s(machine, plan, stage.send_bytes)
         stages.append(stage)
     return stages
 

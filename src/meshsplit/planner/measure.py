@@ -27,7 +27,6 @@ from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.engine import Engine, OptimizerFactory, parallelize
-from meshsplit.launch import launch, threads_per_worker
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.plan import Plan, PlanError
@@ -313,52 +312,3 @@ def _time_loss(engine: Engine, inputs: Any, targets: Any) -> tuple[float, float]
     middle = time.perf_counter()
     loss.backward()
     return middle - started, time.perf_counter() - middle
-
-
-def measure_sharing(
-    model: nn.Module,
-    batch: tuple[Any, Any],
-    workers: int,
-    *,
-    optimizer: OptimizerFactory | None = None,
-    loss_fn: LossFn | None = None,
-    steps: int = 6,
-) -> float:
-    """How much longer this model's own step takes when `workers` processes run it at once
-    (each with the threads a worker gets) than in one such process alone.
-
-    A matmul loop understates it: a step is many small ops, and workers also share what
-    their collectives' threads poll with. This is the factor the cost model stretches a
-    plan by on a host whose cores its workers fill.
-    """
-    alone = launch(_plain_steps, 1, args=(model, batch, optimizer, loss_fn, steps, workers))
-    together = launch(
-        _plain_steps, workers, args=(model, batch, optimizer, loss_fn, steps, workers)
-    )
-    return max(1.0, max(together) / alone[0])
-
-
-def _plain_steps(
-    model: nn.Module,
-    batch: tuple[Any, Any],
-    optimizer: OptimizerFactory | None,
-    loss_fn: LossFn | None,
-    steps: int,
-    workers: int,
-) -> float:
-    """Runs in each worker: the median of `steps` unsplit steps on 1/workers of the batch."""
-    torch.set_num_threads(threads_per_worker(workers))
-    inputs, targets = batch
-    share = max(1, rows(inputs) // workers)
-    x, y = take_rows(inputs, slice(0, share)), take_rows(targets, slice(0, share))
-    plain = copy.deepcopy(model)
-    step_optimizer = (optimizer or (lambda p: torch.optim.SGD(p, lr=0.01)))(plain.parameters())
-    loss_of = loss_fn or nn.CrossEntropyLoss()
-    times = []
-    for _ in range(steps + 2):
-        started = time.perf_counter()
-        step_optimizer.zero_grad()
-        loss_of(call_model(plain, x), y).backward()
-        step_optimizer.step()
-        times.append(time.perf_counter() - started)
-    return sorted(times[2:])[len(times[2:]) // 2]
