@@ -21,8 +21,7 @@ from meshsplit import data, models, timeline
 from meshsplit.engine import parallelize
 from meshsplit.launch import WorkerError, launch, threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
-from meshsplit.planner.calibrate import cached_machine
-from meshsplit.planner.choose import with_sharing
+from meshsplit.planner.choose import machine_for, with_sharing
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.measure import measure_workload
@@ -201,9 +200,8 @@ def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:
         loss_fn=_loss_fn(config),
         threads=threads_per_worker(config.devices),
     )
-    sizes = sorted({d for d in divisors(config.devices) if d > 1} | {2})
     machine = with_sharing(
-        cached_machine(tuple(sizes)),
+        machine_for(config.devices),
         _model(config),
         batches(config)[0],
         config.devices,

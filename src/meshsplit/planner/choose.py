@@ -18,6 +18,8 @@ from meshsplit.batch import LossFn
 from meshsplit.engine import OptimizerFactory
 from meshsplit.launch import threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
+from meshsplit.planner.calibrate import cached_machine
+from meshsplit.planner.cluster import load_cluster
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import Machine
@@ -112,7 +114,7 @@ def choose_plan(
         raise PlanError(f"devices={devices!r} must be a positive integer; e.g. devices=4")
     Plan(memory_budget=memory_budget)  # a bad budget is refused before any work
     if machine is None:
-        machine = _machine(devices, cluster)
+        machine = machine_for(devices, cluster)
         if cluster is None:
             machine = with_sharing(machine, model, example_batch, devices, optimizer, loss_fn)
     workload = measure_workload(
@@ -202,7 +204,7 @@ def predict_plan(
         threads=threads_per_worker(plan.world_size),
     )
     machine = with_sharing(
-        _machine(plan.world_size, None), model, batch, plan.world_size, optimizer, loss_fn
+        machine_for(plan.world_size, None), model, batch, plan.world_size, optimizer, loss_fn
     )
     return predict(workload, machine, plan)
 
@@ -215,24 +217,30 @@ def with_sharing(
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
 ) -> Machine:
-    """`machine` with how `devices` workers running this model slow each other down."""
+    """`machine` with how `devices` workers running this model slow each other down.
+
+    At most MEASURED_WORKERS are started: past them every core is long since full, so the
+    slowdown grows with the workers per core and a message costs what it did there.
+    """
     if machine.cores is None or devices < 2:
         return machine
-    slowdown, message = measure_sharing(model, batch, devices, optimizer=optimizer, loss_fn=loss_fn)
+    workers = min(devices, MEASURED_WORKERS)
+    slowdown, message = measure_sharing(model, batch, workers, optimizer=optimizer, loss_fn=loss_fn)
     return replace(
         machine,
-        compute_slowdown={**machine.compute_slowdown, devices: slowdown},
+        compute_slowdown={**machine.compute_slowdown, devices: slowdown * devices / workers},
         message_s={**machine.message_s, devices: message},
     )
 
 
-def _machine(devices: int, cluster: str | None) -> Machine:
-    """This host's measured links (cached), or a cluster's on paper."""
+MEASURED_WORKERS = 8
+"""The most local workers a calibration or a sharing measurement starts on this host."""
+
+
+def machine_for(devices: int, cluster: str | None = None) -> Machine:
+    """This host's measured links (cached; groups past MEASURED_WORKERS are priced as the
+    largest measured one), or a cluster's on paper."""
     if cluster is not None:
-        from meshsplit.planner.cluster import load_cluster
-
         return load_cluster(cluster).machine()
-    from meshsplit.planner.calibrate import cached_machine
-
-    sizes = sorted({d for d in divisors(devices) if d > 1} | {2})
+    sizes = sorted({d for d in divisors(devices) if 1 < d <= MEASURED_WORKERS} | {2})
     return cached_machine(tuple(sizes))
