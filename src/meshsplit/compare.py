@@ -192,10 +192,12 @@ def _record_step(config: CompareConfig, plan: Plan) -> list[timeline.Event]:
 
 def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:
     """The planner's view of the model and this machine, to predict each plan beside its run."""
+    plans = candidate_plans(config)
     workload = measure_workload(
         _model(config),
         batches(config)[0],
-        widths=divisors(config.devices),
+        widths=sorted({plan.tp for plan in plans}),
+        sizes=[config.batch_size // (p.dp * p.micro_batches) for p in plans],
         optimizer=_optimizer,
         loss_fn=_loss_fn(config),
         threads=threads_per_worker(config.devices),
@@ -211,11 +213,10 @@ def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:
     return workload, machine
 
 
-def _predicted(pricing: tuple[Workload, Machine], plan: Plan) -> Prediction | None:
-    workload, machine = pricing
-    if plan.tp not in workload.items:
+def _predicted(pricing: tuple[Workload, Machine] | None, plan: Plan) -> Prediction | None:
+    if pricing is None or plan.tp not in pricing[0].items:
         return None
-    return predict(workload, machine, plan)
+    return predict(*pricing, plan)
 
 
 def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,7 +246,7 @@ def _row(
     config: CompareConfig,
     plan: Plan,
     reference: list[float],
-    pricing: tuple[Workload, Machine],
+    pricing: tuple[Workload, Machine] | None = None,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"plan": plan.describe(), "shape": asdict(plan)}
     try:

@@ -225,11 +225,15 @@ def with_sharing(
     if machine.cores is None or devices < 2:
         return machine
     workers = min(devices, MEASURED_WORKERS)
-    slowdown, message = measure_sharing(model, batch, workers, optimizer=optimizer, loss_fn=loss_fn)
+    sharing = measure_sharing(model, batch, workers, optimizer=optimizer, loss_fn=loss_fn)
     return replace(
         machine,
-        compute_slowdown={**machine.compute_slowdown, devices: slowdown * devices / workers},
-        message_s={**machine.message_s, devices: message},
+        compute_slowdown={
+            **machine.compute_slowdown,
+            devices: sharing.slowdown * devices / workers,
+        },
+        message_s={**machine.message_s, devices: sharing.message_s},
+        lockstep_s=sharing.lockstep_s,
     )
 
 

@@ -93,13 +93,18 @@ def stage_sizes(items: Sequence[Item], plan: Plan, rows: float) -> tuple[int, ..
     return balance(costs, plan.pp, [item.trainable for item in items])
 
 
-def _traffic_s(machine: Machine, traffic: Sequence[Traffic], rows: float, width: int) -> float:
+def _traffic_s(
+    machine: Machine, traffic: Sequence[Traffic], rows: float, width: int, stretch: float
+) -> float:
+    """An item's blocking collectives over tp: alpha + bytes/beta each, and at least what
+    one costs in lockstep on a host whose workers are all busy (in unstretched time)."""
     if width <= 1:
         return 0.0
     total = 0.0
+    lockstep = machine.lockstep_s.get(width, 0.0) / stretch
     for t in traffic:
         link = machine.link(t.operation, width)
-        total += t.calls * link.alpha_s + t.bytes_per_row * rows / link.bytes_per_s
+        total += t.calls * max(link.alpha_s, lockstep) + t.bytes_per_row * rows / link.bytes_per_s
     return total
 
 
@@ -108,12 +113,17 @@ def _message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
     what a message to a waiting rank measured with this many workers (in unstretched time:
     the step is stretched by the cores' sharing afterwards)."""
     link = machine.seconds("send_recv", 2, nbytes)
-    workers = plan.world_size
-    if workers not in machine.message_s:
+    if plan.world_size not in machine.message_s:
         return link
-    loaded = machine.message_s[workers] + nbytes / machine.link("send_recv", 2).bytes_per_s
-    stretch = machine.slowdown(workers) if machine.cores and workers >= machine.cores else 1.0
-    return max(link, loaded / stretch)
+    loaded = machine.message_s[plan.world_size] / _stretch(machine, plan)
+    return max(link, loaded + nbytes / machine.link("send_recv", 2).bytes_per_s)
+
+
+def _stretch(machine: Machine, plan: Plan) -> float:
+    """How much the whole step stretches when the plan's workers fill the host's cores."""
+    if machine.cores is not None and plan.world_size >= machine.cores:
+        return machine.slowdown(plan.world_size)
+    return 1.0
 
 
 def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> float:
@@ -156,6 +166,7 @@ class _Stage:
 def _stages(workload: Workload, machine: Machine, plan: Plan, rows: float) -> list[_Stage]:
     items = workload.items[plan.tp]
     sizes = stage_sizes(items, plan, rows)
+    stretch = _stretch(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     stages = []
     for s in range(plan.pp):
@@ -163,8 +174,10 @@ def _stages(workload: Workload, machine: Machine, plan: Plan, rows: float) -> li
         for item in run:
             stage.forward_s += _compute_s(machine, item, rows, backward=False)
             stage.backward_s += _compute_s(machine, item, rows, backward=True)
-            stage.tp_forward_s += _traffic_s(machine, item.forward_traffic, rows, plan.tp)
-            stage.tp_backward_s += _traffic_s(machine, item.backward_traffic, rows, plan.tp)
+            stage.tp_forward_s += _traffic_s(machine, item.forward_traffic, rows, plan.tp, stretch)
+            stage.tp_backward_s += _traffic_s(
+                machine, item.backward_traffic, rows, plan.tp, stretch
+            )
             stage.tp_bytes += rows * sum(
                 t.bytes_per_row for t in (*item.forward_traffic, *item.backward_traffic)
             )
@@ -270,13 +283,10 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     busy = sum(m * (st.f + st.b) + totals[s][1] + totals[s][2] for s, st in enumerate(stages)) * (
         plan.dp * plan.tp
     )
-    step = path
+    step = path * _stretch(machine, plan)  # every core busy: waits and work all stretch
     if machine.cores is not None:
-        workers = plan.world_size
-        slowdown = machine.slowdown(workers)
-        if workers >= machine.cores:  # every core busy: waits and work all stretch
-            step = path * slowdown
-        step = max(step, busy * slowdown / workers + workload.step_overhead_s)
+        slowdown = machine.slowdown(plan.world_size)
+        step = max(step, busy * slowdown / plan.world_size + workload.step_overhead_s)
     critical = max(range(plan.pp), key=lambda s: stages[s].f + stages[s].b)
     st = stages[critical]
     _, dp_exposed, optimizer = totals[critical]

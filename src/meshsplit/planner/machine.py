@@ -48,6 +48,9 @@ class Machine:
     message_s: dict[int, float] = field(default_factory=dict)
     """Seconds of one small message to a rank that waits for it, with `workers` on this
     host (measured per job: a woken rank may wait for a core)."""
+    lockstep_s: dict[int, float] = field(default_factory=dict)
+    """group size -> the least one blocking collective costs when every worker on this host
+    is busy between collectives (measured per job)."""
     flop_per_s: float | None = None
     """Paper mode: compute is priced as FLOPs at this rate instead of this host's timings."""
 
@@ -77,6 +80,7 @@ class Machine:
             "compute_slowdown": {str(k): v for k, v in self.compute_slowdown.items()},
             "flop_per_s": self.flop_per_s,
             "message_s": {str(k): v for k, v in self.message_s.items()},
+            "lockstep_s": {str(k): v for k, v in self.lockstep_s.items()},
             "links": {
                 op: {str(size): asdict(link) for size, link in sizes.items()}
                 for op, sizes in self.links.items()
@@ -91,6 +95,7 @@ class Machine:
             compute_slowdown={int(k): float(v) for k, v in data["compute_slowdown"].items()},
             flop_per_s=data.get("flop_per_s"),
             message_s={int(k): float(v) for k, v in data.get("message_s", {}).items()},
+            lockstep_s={int(k): float(v) for k, v in data.get("lockstep_s", {}).items()},
             links={
                 op: {int(size): Link(**link) for size, link in sizes.items()}
                 for op, sizes in data["links"].items()

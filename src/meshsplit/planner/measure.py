@@ -47,14 +47,17 @@ def measure_workload(
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
     threads: int | None = None,
+    sizes: list[int] | None = None,
 ) -> Workload:
     """The workload of `model` on the global `batch`, at each tp width in `widths`, timed
-    with `threads` compute threads (what each worker will have; default: as now)."""
+    with `threads` compute threads (what each worker will have; default: as now) at the
+    micro-batch rows in `sizes` (default: every power of two of the batch down to 1/64)."""
     if dist.is_initialized():
         raise RuntimeError("measure the workload outside ms.launch (it simulates ranks)")
     inputs, targets = batch
     global_rows = rows(inputs)
-    sizes = sorted({max(1, global_rows >> k) for k in range(7)})
+    wanted = sizes or [global_rows >> k for k in range(7)]
+    sizes = sorted({max(1, min(n, global_rows)) for n in [*wanted, global_rows]})
     rng, threads_before = torch.get_rng_state(), torch.get_num_threads()
     torch.set_num_threads(threads or threads_before)
     items: dict[int, tuple[Item, ...]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,21 @@ from meshsplit.launch import launch, threads_per_worker
 __all__: list[str] = []
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """What `workers` processes on one host cost each other, for one model."""
+
+    slowdown: float
+    """How much longer this model's own step takes when every worker runs one at once (each
+    with the threads a worker gets) than in one such process alone."""
+    message_s: float
+    """One small message to a rank that sleeps waiting for it, passed around a ring while
+    the others wait too (a pipeline filling)."""
+    lockstep_s: dict[int, float]
+    """group size -> what one small blocking collective adds to a rank when every worker is
+    busy between collectives (an operator split): its peers must first get a core."""
+
+
 def measure_sharing(
     model: nn.Module,
     batch: tuple[Any, Any],
@@ -30,22 +46,22 @@ def measure_sharing(
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
     steps: int = 6,
-) -> tuple[float, float]:
+) -> Sharing:
     """How `workers` processes on this host slow each other down, for this model.
 
-    Returns (slowdown, message_s): how much longer this model's own step takes when all of
-    them run it at once (each with the threads a worker gets) than in one such process
-    alone, and what one small message costs from a rank that is waiting for it to its
-    reader, passed around a ring while the rest wait (a pipeline filling). A matmul loop
-    understates the first (a step is many small ops); an idle pair of ranks understates
-    the second (a woken rank waits for a core).
+    A matmul loop understates the slowdown (a step is many small ops), and an idle pair of
+    ranks understates what a message or a collective costs when the ranks compete for cores.
     """
     alone = launch(_plain_steps, 1, args=(model, batch, optimizer, loss_fn, steps, workers))
     together = launch(
         _plain_steps, workers, args=(model, batch, optimizer, loss_fn, steps, workers)
     )
-    slowdown = max(t for t, _ in together) / alone[0][0]
-    return max(1.0, slowdown), max(m for _, m in together)
+    sizes = together[0][2]
+    return Sharing(
+        slowdown=max(1.0, max(t for t, _, _ in together) / alone[0][0]),
+        message_s=max(m for _, m, _ in together),
+        lockstep_s={size: max(r[2][size] for r in together) for size in sizes},
+    )
 
 
 def _plain_steps(
@@ -55,9 +71,10 @@ def _plain_steps(
     loss_fn: LossFn | None,
     steps: int,
     workers: int,
-) -> tuple[float, float]:
+) -> tuple[float, float, dict[int, float]]:
     """Runs in each worker: the median of `steps` unsplit steps on 1/workers of the batch,
-    and the seconds of one message around a ring of the workers."""
+    the seconds of one message around a ring of the workers, and of a collective in
+    lockstep."""
     torch.set_num_threads(threads_per_worker(workers))
     inputs, targets = batch
     share = max(1, rows(inputs) // workers)
@@ -72,7 +89,7 @@ def _plain_steps(
         loss_of(call_model(plain, x), y).backward()
         step_optimizer.step()
         times.append(time.perf_counter() - started)
-    return sorted(times[2:])[len(times[2:]) // 2], _ring_message_s()
+    return sorted(times[2:])[len(times[2:]) // 2], _ring_message_s(), _lockstep_s()
 
 
 def _ring_message_s(rounds: int = 8) -> float:
@@ -96,3 +113,34 @@ def _ring_message_s(rounds: int = 8) -> float:
         if rank == 0:
             dist.recv(token, world - 1)
     return max(0.0, (time.perf_counter() - started) / (rounds * world) - burst)
+
+
+def _lockstep_s(rounds: int = 12) -> dict[int, float]:
+    """Per group size (pairs, and every rank): seconds a small all-reduce adds after each
+    burst of work when every rank works and then synchronises, less the burst run by all
+    ranks at once without synchronising."""
+    world = dist.get_world_size()
+    if world == 1:
+        return {}
+    rank, token, work = dist.get_rank(), torch.zeros(1), torch.randn(256, 256)
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
+
+    def burst() -> None:
+        for _ in range(4):
+            work @ work
+
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(rounds):
+        burst()
+    loaded = (time.perf_counter() - started) / rounds
+    result = {}
+    for size, group in sorted(groups.items()):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(rounds):
+            burst()
+            dist.all_reduce(token, group=group)
+        result[size] = max(0.0, (time.perf_counter() - started) / rounds - loaded)
+    return result
