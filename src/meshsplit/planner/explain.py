@@ -21,6 +21,8 @@ TIE = 0.005
 
 def _ms(seconds: float) -> str:
     value = seconds * 1e3
+    if value < 1:
+        return f"{value * 1e3:.0f} us"
     return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
 
 
