@@ -91,3 +91,15 @@ def test_plan_command_prints_the_ranking_and_writes_the_report(tmp_path) -> None
     report = json.loads(out.read_text())
     assert report["best"] == report["rows"][0]["plan"] and len(report["rows"]) >= 3
     assert report["machine"]["links"]["all_reduce"]["2"]["bytes_per_s"] > 0
+
+
+def test_train_with_the_planners_choice(tmp_path) -> None:
+    metrics = tmp_path / "metrics.json"
+    done = run_meshsplit(
+        "train", "--model", "mlp", "--plan", "auto", "--devices", "2", "--epochs", "1",
+        "--batch-size", "256", "--metrics-out", str(metrics), timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "planner: " in done.stdout and "the fastest of" in done.stdout
+    shape = json.loads(metrics.read_text())["plan"]
+    assert shape["dp"] * shape["pp"] * shape["tp"] == 2

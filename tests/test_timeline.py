@@ -152,7 +152,9 @@ def test_train_writes_the_timeline_of_one_step(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
-    slices = [t for t in trace if t["ph"] == "X"]
+    slices = [t for t in trace if t["ph"] == "X" and t["pid"] == 1]  # measured
     assert {t["tid"] for t in slices} == {0, 1}
     assert sum(t["name"].startswith("backward") for t in slices) == 4  # 2 per stage
+    predicted = [t for t in trace if t["ph"] == "X" and t["pid"] == 2]  # the planner's
+    assert sum(t["name"].startswith("backward") for t in predicted) == 4
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
