@@ -157,7 +157,8 @@ def _from_graph(
     model: nn.Module, graph: LayerGraph, example: Any, plan: Plan, agree: Agree
 ) -> Cuts:
     check_split(len(graph.layers), plan.pp, plan.stages)
-    costs = agree(profile_layers(graph, example))
+    # pinned stages need the costs only to describe them: one timed sweep is enough
+    costs = agree(profile_layers(graph, example, repeats=1 if plan.stages else 5))
     trainable = [any(p.requires_grad for p in x.module.parameters()) for x in graph.layers]
     sizes = tuple(plan.stages or balance([c.total_ms for c in costs], plan.pp, trainable))
     refuse_stages_without_parameters([x.name for x in graph.layers], trainable, sizes)

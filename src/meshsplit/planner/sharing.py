@@ -52,13 +52,18 @@ def measure_sharing(
     A matmul loop understates the slowdown (a step is many small ops), and an idle pair of
     ranks understates what a message or a collective costs when the ranks compete for cores.
     """
-    alone = launch(_plain_steps, 1, args=(model, batch, optimizer, loss_fn, steps, workers))
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:  # alone: here, with the threads a worker gets, leaving this process as it was
+        alone = _step_median(model, batch, optimizer, loss_fn, steps, workers)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
     together = launch(
         _plain_steps, workers, args=(model, batch, optimizer, loss_fn, steps, workers)
     )
     sizes = together[0][2]
     return Sharing(
-        slowdown=max(1.0, max(t for t, _, _ in together) / alone[0][0]),
+        slowdown=max(1.0, max(t for t, _, _ in together) / alone),
         message_s=max(m for _, m, _ in together),
         lockstep_s={size: max(r[2][size] for r in together) for size in sizes},
     )
@@ -72,9 +77,22 @@ def _plain_steps(
     steps: int,
     workers: int,
 ) -> tuple[float, float, dict[int, float]]:
-    """Runs in each worker: the median of `steps` unsplit steps on 1/workers of the batch,
-    the seconds of one message around a ring of the workers, and of a collective in
-    lockstep."""
+    """Runs in each worker: its step time (below), the seconds of one message around a ring
+    of the workers, and of a collective in lockstep."""
+    step = _step_median(model, batch, optimizer, loss_fn, steps, workers)
+    return step, _ring_message_s(), _lockstep_s()
+
+
+def _step_median(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    steps: int,
+    workers: int,
+) -> float:
+    """The median of `steps` unsplit steps on 1/workers of the batch, with the threads one
+    of `workers` local workers gets."""
     torch.set_num_threads(threads_per_worker(workers))
     inputs, targets = batch
     share = max(1, rows(inputs) // workers)
@@ -89,7 +107,7 @@ def _plain_steps(
         loss_of(call_model(plain, x), y).backward()
         step_optimizer.step()
         times.append(time.perf_counter() - started)
-    return sorted(times[2:])[len(times[2:]) // 2], _ring_message_s(), _lockstep_s()
+    return sorted(times[2:])[len(times[2:]) // 2]
 
 
 def _ring_message_s(rounds: int = 8) -> float:
