@@ -271,16 +271,17 @@ def plan(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    plan = _plan_from(args)
+    plan, chosen = _plan_from(args), None
     if args.plan == "auto":
         report = _choose(args)
-        plan = report.best
+        plan, chosen = report.best, report.rows[0].prediction
         Console().print(
-            f"planner: {plan.describe()}, predicted {report.rows[0].step_time_s * 1e3:.1f} ms "
+            f"planner: {plan.describe()}, predicted {chosen.step_time_s * 1e3:.1f} ms "
             f"per step, the fastest of {len(report.rows)} plans for {args.devices} devices"
         )
     batch = _first_batch(args.model, plan, args.batch_size)
-    if plan.memory_budget is not None:  # refuse before launch what will not fit
+    # refuse before launch what will not fit (the planner's choice was estimated already)
+    if plan.memory_budget is not None and chosen is None:
         optimizer = functools.partial(_adam, lr=args.lr)
         estimate_memory(
             build_model(args.model), plan, batch, optimizer=optimizer, loss_fn=loss_for(args.model)
@@ -304,7 +305,7 @@ def train(args: argparse.Namespace) -> None:
         "predicted": None,
     }
     if args.timeline is not None:  # the planner's schedule of the same step, to draw beside it
-        prediction = predict_plan(
+        prediction = chosen or predict_plan(
             build_model(args.model),
             batch,
             plan,

@@ -19,12 +19,11 @@ from rich.progress import Progress
 
 from meshsplit import data, models, timeline
 from meshsplit.engine import parallelize
-from meshsplit.launch import WorkerError, launch, threads_per_worker
+from meshsplit.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError, divisors
-from meshsplit.planner.choose import machine_for, with_sharing
+from meshsplit.planner.choose import pricing
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.machine import Machine
-from meshsplit.planner.measure import measure_workload
 from meshsplit.planner.workload import Workload
 from meshsplit.simulate import estimate_memory
 from meshsplit.traffic import count_traffic
@@ -151,7 +150,7 @@ def compare(
     rows: list[dict[str, Any]] = []
     with Progress(console=Console(stderr=True), disable=not show, transient=True) as progress:
         task = progress.add_task("measuring the model for the planner", total=len(plans))
-        pricing = _pricing(config)
+        pricing = _pricing(config, plans)
         for plan in plans:
             progress.update(task, description=f"running {plan.describe()}")
             rows.append(_row(config, plan, reference, pricing))
@@ -190,27 +189,17 @@ def _record_step(config: CompareConfig, plan: Plan) -> list[timeline.Event]:
     return events
 
 
-def _pricing(config: CompareConfig) -> tuple[Workload, Machine]:
+def _pricing(config: CompareConfig, plans: list[Plan]) -> tuple[Workload, Machine]:
     """The planner's view of the model and this machine, to predict each plan beside its run."""
-    plans = candidate_plans(config)
-    workload = measure_workload(
+    return pricing(
         _model(config),
         batches(config)[0],
+        config.devices,
         widths=sorted({plan.tp for plan in plans}),
         sizes=[config.batch_size // (p.dp * p.micro_batches) for p in plans],
         optimizer=_optimizer,
         loss_fn=_loss_fn(config),
-        threads=threads_per_worker(config.devices),
     )
-    machine = with_sharing(
-        machine_for(config.devices),
-        _model(config),
-        batches(config)[0],
-        config.devices,
-        _optimizer,
-        _loss_fn(config),
-    )
-    return workload, machine
 
 
 def _predicted(pricing: tuple[Workload, Machine] | None, plan: Plan) -> Prediction | None:

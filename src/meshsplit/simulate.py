@@ -13,7 +13,8 @@ that stage's own run, so stages are run first to last.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -97,12 +98,12 @@ def _estimate(
         torch.set_rng_state(rng)
     ranks = [
         replace(measured[(pp, tp)], rank=rank, coordinates={"dp": dp, "pp": pp, "tp": tp})
-        for rank, (dp, pp, tp) in enumerate(_coordinates(plan))
+        for rank, (dp, pp, tp) in enumerate(rank_coordinates(plan))
     ]
     return MemoryEstimate(plan=plan, ranks=ranks)
 
 
-def _coordinates(plan: Plan) -> Iterable[tuple[int, int, int]]:
+def rank_coordinates(plan: Plan) -> Iterable[tuple[int, int, int]]:
     """(dp, pp, tp) of every global rank, in rank order (the mesh is dp-major)."""
     for dp in range(plan.dp):
         for pp in range(plan.pp):
@@ -123,34 +124,44 @@ def _simulate(
     steps: int = 2,
 ) -> Engine:
     """Run global rank `rank` of `plan` for `steps` train_steps in a fake process group."""
+    rng = torch.get_rng_state()
+    try:
+        with fake_group(rank, plan.world_size):
+            # a factory builds each simulated rank's part afresh; a model is copied whole
+            source = copy.deepcopy(model) if isinstance(model, nn.Module) else model
+            with counting_only():
+                engine = parallelize(source, plan, optimizer=optimizer, loss_fn=loss_fn)
+            engine.prepare(inputs)
+            runner = engine.runner
+            if isinstance(runner, PipelineRunner):
+                exchange = runner.stage.exchange
+                for (sender, key), metas in headers.pop(rank, {}).items():
+                    exchange.learn(sender, key, metas)
+            engine.memory.track = True
+            for step in range(steps):
+                if timeline and step == steps - 1:
+                    engine.memory.timeline = []
+                engine.train_step(inputs, targets)
+            if isinstance(runner, PipelineRunner):
+                for (peer, key), metas in runner.stage.exchange.told.items():
+                    headers.setdefault(peer, {})[(rank, key)] = metas
+            engine.close()
+            return engine
+    finally:
+        torch.set_rng_state(rng)
+
+
+@contextmanager
+def fake_group(rank: int, world: int) -> Iterator[None]:
+    """Be rank `rank` of `world` ranks whose collectives return at once (PyTorch's fake
+    process group): one process runs a rank's real code without its peers."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    rng = torch.get_rng_state()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        # a factory builds each simulated rank's part afresh; a model is copied whole
-        source = copy.deepcopy(model) if isinstance(model, nn.Module) else model
-        with counting_only():
-            engine = parallelize(source, plan, optimizer=optimizer, loss_fn=loss_fn)
-        engine.prepare(inputs)
-        runner = engine.runner
-        if isinstance(runner, PipelineRunner):
-            exchange = runner.stage.exchange
-            for (sender, key), metas in headers.pop(rank, {}).items():
-                exchange.learn(sender, key, metas)
-        engine.memory.track = True
-        for step in range(steps):
-            if timeline and step == steps - 1:
-                engine.memory.timeline = []
-            engine.train_step(inputs, targets)
-        if isinstance(runner, PipelineRunner):
-            for (peer, key), metas in runner.stage.exchange.told.items():
-                headers.setdefault(peer, {})[(rank, key)] = metas
-        engine.close()
-        return engine
+        yield
     finally:
         dist.destroy_process_group()
-        torch.set_rng_state(rng)
 
 
 def _rank_estimate(engine: Engine, rank: int, pp: int, tp: int) -> RankEstimate:

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,20 @@ class Traffic:
         self.bytes[operation] += nbytes
 
 
+class Recorder(Protocol):
+    """Hears each operation with its payload bytes (a Traffic, or a caller's own tally)."""
+
+    def record(self, operation: str, nbytes: int) -> None: ...
+
+
+R = TypeVar("R", bound=Recorder)
+
+
 @contextmanager
-def count_traffic() -> Iterator[Traffic]:
-    """Within the block, count every torch.distributed operation this process starts."""
-    traffic = Traffic()
+def count_traffic(recorder: R | None = None) -> Iterator[R | Traffic]:
+    """Within the block, count every torch.distributed operation this process starts (into
+    `recorder` when one is given, else into a fresh Traffic)."""
+    traffic: R | Traffic = recorder if recorder is not None else Traffic()
     originals = {name: getattr(dist, name) for name in (*_PAYLOAD, "batch_isend_irecv")}
 
     def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

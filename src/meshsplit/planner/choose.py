@@ -9,7 +9,7 @@ infeasible list with the estimate's numbers.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -26,7 +26,8 @@ from meshsplit.planner.machine import Machine
 from meshsplit.planner.measure import measure_workload
 from meshsplit.planner.search import search
 from meshsplit.planner.sharing import measure_sharing
-from meshsplit.simulate import estimate_memory
+from meshsplit.planner.workload import Workload
+from meshsplit.simulate import estimate_memory, rank_coordinates
 
 __all__ = ["PlanReport", "PlanRow", "choose_plan"]
 
@@ -50,7 +51,7 @@ class PlanRow:
     def as_dict(self) -> dict[str, Any]:
         return {
             "plan": self.plan.describe(),
-            "shape": _plan_dict(self.plan),
+            "shape": self.plan.as_dict(),
             "step_time_s": self.step_time_s,
             "peak_bytes": self.peak_bytes,
             "terms": self.terms,
@@ -80,17 +81,11 @@ class PlanReport:
             "best": self.best.describe(),
             "rows": [row.as_dict() for row in self.rows],
             "infeasible": [
-                {"plan": plan.describe(), "shape": _plan_dict(plan), "reason": why}
+                {"plan": plan.describe(), "shape": plan.as_dict(), "reason": why}
                 for plan, why in self.infeasible
             ],
             "machine": self.machine.as_dict(),
         }
-
-
-def _plan_dict(plan: Plan) -> dict[str, Any]:
-    shape = asdict(plan)
-    shape.pop("tp_plan", None)
-    return shape
 
 
 def choose_plan(
@@ -113,17 +108,15 @@ def choose_plan(
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PlanError(f"devices={devices!r} must be a positive integer; e.g. devices=4")
     Plan(memory_budget=memory_budget)  # a bad budget is refused before any work
-    if machine is None:
-        machine = machine_for(devices, cluster)
-        if cluster is None:
-            machine = with_sharing(machine, model, example_batch, devices, optimizer, loss_fn)
-    workload = measure_workload(
+    workload, machine = pricing(
         model,
         example_batch,
+        devices,
         widths=divisors(devices),
         optimizer=optimizer,
         loss_fn=loss_fn,
-        threads=None if machine.cores is None else threads_per_worker(devices),
+        cluster=cluster,
+        machine=machine,
     )
     ranking = search(workload, machine, devices, memory_budget=memory_budget)
     infeasible = list(ranking.infeasible)
@@ -177,13 +170,8 @@ def _pinned(prediction: Prediction) -> Plan:
 
 
 def _per_rank(prediction: Prediction) -> list[int]:
-    plan = prediction.plan
-    return [
-        prediction.memory_bytes[stage]
-        for _ in range(plan.dp)
-        for stage in range(plan.pp)
-        for _ in range(plan.tp)
-    ]
+    """The modelled peak of each global rank (every rank of a stage holds the same)."""
+    return [prediction.memory_bytes[pp] for _, pp, _ in rank_coordinates(prediction.plan)]
 
 
 def predict_plan(
@@ -195,18 +183,41 @@ def predict_plan(
     loss_fn: LossFn | None = None,
 ) -> Prediction:
     """The planner's prediction of one plan on this machine (measures the model for it)."""
+    workload, machine = pricing(
+        model, batch, plan.world_size, widths=[plan.tp], optimizer=optimizer, loss_fn=loss_fn
+    )
+    return predict(workload, machine, plan)
+
+
+def pricing(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    devices: int,
+    *,
+    widths: list[int],
+    sizes: list[int] | None = None,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    cluster: str | None = None,
+    machine: Machine | None = None,
+) -> tuple[Workload, Machine]:
+    """What the cost model prices plans for `devices` devices with: the model measured at
+    the tp `widths` (and micro-batch `sizes`), and the machine — `machine` as given, a
+    cluster on paper, or this host's links with how its workers share its cores."""
+    if machine is None:
+        machine = machine_for(devices, cluster)
+        if cluster is None:
+            machine = with_sharing(machine, model, batch, devices, optimizer, loss_fn)
     workload = measure_workload(
         model,
         batch,
-        widths=[plan.tp],
+        widths=widths,
+        sizes=sizes,
         optimizer=optimizer,
         loss_fn=loss_fn,
-        threads=threads_per_worker(plan.world_size),
+        threads=None if machine.cores is None else threads_per_worker(devices),
     )
-    machine = with_sharing(
-        machine_for(plan.world_size, None), model, batch, plan.world_size, optimizer, loss_fn
-    )
-    return predict(workload, machine, plan)
+    return workload, machine
 
 
 def with_sharing(

@@ -163,9 +163,10 @@ class _Stage:
         return self.backward_s + self.tp_backward_s + self.recompute_s
 
 
-def _stages(workload: Workload, machine: Machine, plan: Plan, rows: float) -> list[_Stage]:
+def _stages(
+    workload: Workload, machine: Machine, plan: Plan, rows: float, sizes: tuple[int, ...]
+) -> list[_Stage]:
     items = workload.items[plan.tp]
-    sizes = stage_sizes(items, plan, rows)
     stretch = _stretch(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     stages = []
@@ -259,7 +260,8 @@ def dp_exposed_s(machine: Machine, plan: Plan, nbytes: float, overlap_s: float) 
 def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     """Step time, its terms and per-stage memory of `plan` (tp must be a measured width)."""
     rows = rows_per_micro_batch(plan, workload.global_rows)
-    stages = _stages(workload, machine, plan, rows)
+    sizes = stage_sizes(workload.items[plan.tp], plan, rows)
+    stages = _stages(workload, machine, plan, rows, sizes)
     m = plan.micro_batches
     actions = schedule(plan.schedule, plan.pp, m)
     sends = [st.send_s for st in stages]
@@ -307,8 +309,8 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         plan=plan,
         step_time_s=step,
         terms=terms,
-        stages=stage_sizes(workload.items[plan.tp], plan, rows),
-        memory_bytes=tuple(_memory(workload, plan, stages, s) for s in range(plan.pp)),
+        stages=sizes,
+        memory_bytes=tuple(_memory(workload, plan, stages, actions, s) for s in range(plan.pp)),
         bytes_per_step={
             "tp": m * st.tp_bytes,
             "pp": 2 * m * (st.send_bytes + st.input_bytes),
@@ -319,16 +321,14 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     )
 
 
-def _memory(workload: Workload, plan: Plan, stages: list[_Stage], s: int) -> int:
+def _memory(
+    workload: Workload, plan: Plan, stages: list[_Stage], actions: list[list[Action]], s: int
+) -> int:
     """Parameters, gradients, optimizer state, activations in flight, receive buffers and the
     largest temporary of stage `s` (the estimate of `simulate.py` measures it exactly)."""
     st = stages[s]
     shard = plan.dp if plan.zero else 1
-    in_flight = (
-        1
-        if plan.pp == 1
-        else max_in_flight(schedule(plan.schedule, plan.pp, plan.micro_batches)[s])
-    )
+    in_flight = 1 if plan.pp == 1 else max_in_flight(actions[s])
     saved = st.input_bytes + st.largest_output if _recomputes(plan, s) else st.saved_bytes
     activations = in_flight * saved + (st.saved_bytes if _recomputes(plan, s) else 0.0)
     buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -32,6 +32,8 @@ from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.workload import Item, Line, Traffic, Workload
 from meshsplit.rank_memory import counting_only
+from meshsplit.simulate import fake_group
+from meshsplit.traffic import count_traffic
 
 __all__: list[str] = []
 
@@ -65,11 +67,11 @@ def measure_workload(
     try:
         for width in widths:
             try:
-                with _fake_group(width):
+                with fake_group(0, width):
                     items[width] = _items(model, inputs, targets, width, sizes, loss_fn)
             except PlanError as error:
                 refused[width] = str(error)
-        with _fake_group(1):
+        with fake_group(0, 1):
             whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1))
     finally:
         torch.set_rng_state(rng)
@@ -80,18 +82,6 @@ def measure_workload(
         global_rows=global_rows,
         **whole,
     )
-
-
-@contextmanager
-def _fake_group(world: int) -> Iterator[None]:
-    """Rank 0 of `world` ranks whose collectives return at once."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _split(model: nn.Module, width: int, loss_fn: LossFn | None, inputs: Any) -> Engine:
@@ -185,10 +175,12 @@ class _Attribution(TorchDispatchMode):
             count.saved += tensor.numel() * tensor.element_size()
         return tensor
 
-    def collective(self, name: str, tensor: torch.Tensor) -> None:
-        entry = self.counts[self.current].calls[self.direction][_COLLECTIVES[name]]
-        entry[0] += 1
-        entry[1] += tensor.numel() * tensor.element_size()
+    def record(self, operation: str, nbytes: int) -> None:
+        """A collective the running item called (heard through `count_traffic`)."""
+        if operation in _COLLECTIVES:
+            entry = self.counts[self.current].calls[self.direction][_COLLECTIVES[operation]]
+            entry[0] += 1
+            entry[1] += nbytes
 
 
 def _count(cuts: Cuts, engine: Engine, inputs: Any, targets: Any) -> list[_Counts]:
@@ -201,7 +193,7 @@ def _count(cuts: Cuts, engine: Engine, inputs: Any, targets: Any) -> list[_Count
         for index, item in enumerate(cuts.modules):
             for sub in item.modules():
                 stack.enter_context(_charging(sub, index, mode))
-        stack.enter_context(_collectives(mode))
+        stack.enter_context(count_traffic(mode))
         stack.enter_context(saved_tensors_hooks(mode.pack, lambda t: t))
         stack.enter_context(mode)
         output = call_model(module, inputs)
@@ -238,27 +230,6 @@ def _backward_of(mode: _Attribution, index: int) -> None:
     mode.current = index
 
 
-@contextmanager
-def _collectives(mode: _Attribution) -> Iterator[None]:
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            payload = args[0] if name == "all_reduce" else args[1]
-            mode.collective(name, payload)
-            return original(*args, **kwargs)
-
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, counted(name, original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def _whole_step(
     model: nn.Module,
     inputs: Any,
@@ -273,6 +244,8 @@ def _whole_step(
         engine = parallelize(copy.deepcopy(model), Plan(), optimizer=optimizer, loss_fn=loss_fn)
     engine.memory.track = False
     n = rows(inputs)
+    with torch.no_grad():
+        output = call_model(engine.module, inputs)  # what the loss reads, made once
     steps, optimizer_s, loss_s = [], [], []
     for _ in range(repeats + 1):
         started = time.perf_counter()
@@ -281,7 +254,7 @@ def _whole_step(
         started = time.perf_counter()
         engine.optimizer.step()
         optimizer_s.append(time.perf_counter() - started)
-        loss_s.append(_time_loss(engine, inputs, targets))
+        loss_s.append(_time_loss(engine.loss_fn, output, targets))
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     parameter_bytes = tensor_bytes(trainable)
     state = tensor_bytes(optimizer_tensors(engine.optimizer))
@@ -300,10 +273,8 @@ def _whole_step(
     }
 
 
-def _time_loss(engine: Engine, inputs: Any, targets: Any) -> tuple[float, float]:
-    """Seconds of the loss's forward and backward on the model's detached output."""
-    with torch.no_grad():
-        output = call_model(engine.module, inputs)
+def _time_loss(loss_fn: LossFn, output: Any, targets: Any) -> tuple[float, float]:
+    """Seconds of the loss's forward and backward on the model's (detached) output."""
     leaves = pytree.tree_map(
         lambda t: (
             t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
@@ -311,7 +282,7 @@ def _time_loss(engine: Engine, inputs: Any, targets: Any) -> tuple[float, float]
         output,
     )
     started = time.perf_counter()
-    loss = engine.loss_fn(leaves, targets)
+    loss = loss_fn(leaves, targets)
     middle = time.perf_counter()
     loss.backward()
     return middle - started, time.perf_counter() - middle

@@ -36,11 +36,11 @@ def micro_batch_options(plan: Plan, replica_rows: int, budget: bool) -> list[int
     return [m for m in wanted if m <= replica_rows and replica_rows % m == 0]
 
 
-def _variants(plan: Plan, dp_options: bool) -> list[Plan]:
+def _variants(plan: Plan) -> list[Plan]:
     """Schedules, recompute and zero for one (dp, pp, tp, m)."""
     schedules = ("1f1b", "gpipe") if plan.pp > 1 else ("1f1b",)
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
-    zeros = (False, True) if plan.dp > 1 and dp_options else (False,)
+    zeros = (False, True) if plan.dp > 1 else (False,)
     return [
         Plan(
             dp=plan.dp,
@@ -85,26 +85,21 @@ def search(
                      f"for pp={pp}; use a global batch divisible by {dp * pp}")
                 )  # fmt: skip
                 continue
-            fitting = 0
+            least = None  # the smallest per-rank need of this shape, for the refusal
             for m in options:
-                for plan in _variants(Plan(dp=dp, pp=pp, tp=tp, micro_batches=m,
-                                           memory_budget=memory_budget), True):  # fmt: skip
+                base = Plan(dp=dp, pp=pp, tp=tp, micro_batches=m, memory_budget=memory_budget)
+                for plan in _variants(base):
                     prediction = predict(workload, machine, plan)
-                    if budget is not None and max(prediction.memory_bytes) > budget:
-                        continue
-                    fitting += 1
-                    rows.append(prediction)
-            if not fitting and budget is not None:
-                least = min(
-                    max(predict(workload, machine, p).memory_bytes)
-                    for m in options
-                    for p in _variants(Plan(dp=dp, pp=pp, tp=tp, micro_batches=m), True)
-                )
+                    need = max(prediction.memory_bytes)
+                    least = need if least is None else min(least, need)
+                    if budget is None or need <= budget:
+                        rows.append(prediction)
+            if budget is not None and least is not None and least > budget:
                 infeasible.append(
                     (shape, f"memory: needs at least {format_bytes(least)} per rank, over the "
                      f"budget of {format_bytes(budget)}")
                 )  # fmt: skip
-    rows.sort(key=lambda p: (p.step_time_s, p.plan.world_size, _simplicity(p.plan)))
+    rows.sort(key=lambda p: (p.step_time_s, _simplicity(p.plan)))
     return Ranking(rows=rows, infeasible=infeasible)
 
 
