@@ -11,11 +11,13 @@ import math
 
 import pytest
 import torch
+from test_memory_estimate import _batch, _loss, _model
 
 import meshsplit as ms
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
 
 from cli_runner import run_meshsplit
+from hf_models import FACTORIES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,3 +105,18 @@ def test_train_with_the_planners_choice(tmp_path) -> None:
     assert "planner: " in done.stdout and "the fastest of" in done.stdout
     shape = json.loads(metrics.read_text())["plan"]
     assert shape["dp"] * shape["pp"] * shape["tp"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_choose_plan_ranks_plans_for_models_it_did_not_write(name: str) -> None:
+    report = ms.choose_plan(
+        _model(name), _batch(name), 4, machine=_machine(), estimate_top=0, loss_fn=_loss(name)
+    )
+    shapes = {(r.plan.dp, r.plan.pp, r.plan.tp) for r in report.rows}
+    assert {(4, 1, 1), (1, 4, 1)} <= shapes  # data and layer split price on every model
+    too_small = [reason for _, reason in report.infeasible if "micro-batch size" in reason]
+    if name == "resnet":  # BatchNorm after a 1x1 map refuses one row: those plans are named
+        assert too_small and "more than 1 value per channel" in too_small[0]
+        assert all(r.plan.micro_batches <= 4 for r in report.rows if r.plan.dp == 1)
+    else:
+        assert not too_small

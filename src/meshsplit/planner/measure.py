@@ -65,6 +65,7 @@ def measure_workload(
     items: dict[int, tuple[Item, ...]] = {}
     refused: dict[int, str] = {}
     try:
+        sizes, too_few = _runnable_sizes(model, inputs, targets, sizes, loss_fn)
         for width in widths:
             try:
                 with fake_group(0, width):
@@ -80,8 +81,35 @@ def measure_workload(
         items=items,
         refused=refused,
         global_rows=global_rows,
+        min_rows=sizes[0] if too_few else 1,
+        min_rows_reason=too_few,
         **whole,
     )
+
+
+def _runnable_sizes(
+    model: nn.Module, inputs: Any, targets: Any, sizes: list[int], loss_fn: LossFn | None
+) -> tuple[list[int], str]:
+    """The sizes from the smallest micro-batch the model trains on, and what it said below.
+
+    Some models refuse a few rows (BatchNorm after a 1x1 feature map needs more than one
+    value per channel); the plans that would give them that few are infeasible, not errors.
+    """
+    with fake_group(0, 1):
+        engine = _split(model, 1, loss_fn, inputs)
+    complaint = ""
+    try:
+        for index, n in enumerate(sizes[:-1]):
+            try:
+                output = call_model(engine.module, take_rows(inputs, slice(0, n)))
+                engine.loss_fn(output, take_rows(targets, slice(0, n))).backward()
+                return sizes[index:], complaint
+            except (ValueError, RuntimeError) as error:
+                complaint = f"{n} rows: {error}"
+        return sizes[-1:], complaint  # the whole batch: if it fails, measuring says why
+    finally:
+        engine.module.zero_grad(set_to_none=True)
+        engine.close()
 
 
 def _split(model: nn.Module, width: int, loss_fn: LossFn | None, inputs: Any) -> Engine:

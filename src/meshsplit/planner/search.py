@@ -86,7 +86,7 @@ def search(
                 )  # fmt: skip
                 continue
             least = None  # the smallest per-rank need of this shape, for the refusal
-            for m in options:
+            for m in _runnable(workload, shape, options, replica_rows, infeasible):
                 base = Plan(dp=dp, pp=pp, tp=tp, micro_batches=m, memory_budget=memory_budget)
                 for plan in _variants(base):
                     prediction = predict(workload, machine, plan)
@@ -101,6 +101,29 @@ def search(
                 )  # fmt: skip
     rows.sort(key=lambda p: (p.step_time_s, _simplicity(p.plan)))
     return Ranking(rows=rows, infeasible=infeasible)
+
+
+def _runnable(
+    workload: Workload,
+    shape: Plan,
+    options: list[int],
+    replica_rows: int,
+    infeasible: list[tuple[Plan, str]],
+) -> list[int]:
+    """The micro-batch counts whose micro-batches are big enough for the model; the others
+    go to `infeasible` with what the model said."""
+    kept = []
+    for m in options:
+        if replica_rows // m >= workload.min_rows:
+            kept.append(m)
+            continue
+        plan = Plan(dp=shape.dp, pp=shape.pp, tp=shape.tp, micro_batches=m)
+        infeasible.append(
+            (plan, f"micro-batch size: {replica_rows // m} rows per micro-batch, and the model "
+             f"needs at least {workload.min_rows} ({workload.min_rows_reason}); use fewer "
+             f"micro-batches or a bigger batch")
+        )  # fmt: skip
+    return kept
 
 
 def _simplicity(plan: Plan) -> tuple[int, int, int, int]:

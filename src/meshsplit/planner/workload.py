@@ -89,6 +89,11 @@ class Workload:
     """tp width -> why the model cannot be split that wide."""
     parameter_bytes: int = 0
     """The whole model's parameters and buffers."""
+    min_rows: int = 1
+    """The fewest micro-batch rows the model runs on (BatchNorm wants more than one value per
+    channel in training)."""
+    min_rows_reason: str = ""
+    """What the model said at fewer rows than `min_rows`."""
 
     @property
     def widths(self) -> list[int]:
