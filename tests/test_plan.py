@@ -48,3 +48,13 @@ def test_plan_is_frozen_and_keyword_only() -> None:
         plan.dp = 3  # type: ignore[misc]
     with pytest.raises(TypeError):
         ms.Plan(2)  # type: ignore[misc]
+
+
+def test_memory_options_take_their_listed_values_and_name_the_rest() -> None:
+    assert ms.Plan(dp=2, zero=True).zero == 1 and ms.Plan(zero=False).zero == 0
+    assert ms.Plan(dp=2, zero=3).describe() == "dp2 pp1 tp1 zero3"
+    for field, value in (("zero", 4), ("zero", "2"), ("compress", "fp4"),
+                         ("compress_transfers", "int8"), ("offload", "disk")):  # fmt: skip
+        with pytest.raises(ms.PlanError, match=f"Plan.{field}={value!r}"):
+            ms.Plan(**{field: value})
+    assert ms.Plan(compress="int8").lossy and not ms.Plan(offload="optimizer").lossy

@@ -11,6 +11,10 @@ __all__ = ["Plan", "PlanError"]
 
 SCHEDULES = ("1f1b", "gpipe")
 CHECKPOINT_POLICIES = ("never", "except_last", "always", "auto")
+ZERO_STAGES = (0, 1, 2, 3)
+COMPRESSIONS = ("none", "bf16", "fp8", "int8")
+TRANSFER_COMPRESSIONS = ("none", "bf16")
+OFFLOADS = ("none", "optimizer", "activations")
 UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -58,8 +62,20 @@ class Plan:
     memory_budget with the least added time; nothing without a budget)."""
     tp_plan: Mapping[str, str] | None = field(default=None, hash=False)
     """Per-module operator split overriding the automatic rule, e.g. {'fc1': 'column'}."""
-    zero: bool = False
-    """Shard optimizer state over dp (ZeRO stage 1)."""
+    zero: int = 0
+    """Shard training state over dp (ZeRO): 0 none, 1 optimizer state, 2 also gradients
+    (reduce-scatter instead of all-reduce), 3 also parameters (gathered per block for
+    forward and backward, freed after). True means 1."""
+    compress: str = "none"
+    """Pack the tensors saved for backward: 'bf16' (about 2x smaller), 'fp8' or 'int8'
+    (about 4x, per-channel scales). Lossy: outside the exactness contract."""
+    compress_transfers: str = "none"
+    """'bf16': send pipeline activations and their gradients as bfloat16 (half the p2p
+    bytes). Lossy: outside the exactness contract."""
+    offload: str = "none"
+    """'optimizer': optimizer state (and its step) on the host, or in a memory-mapped file
+    when the model already runs on the host; 'activations': tensors saved for backward on
+    the host (GPU only)."""
     bucket_mb: float = 8.0
     """Size of the gradient all-reduce buckets over dp, in MiB (smaller: more overlap)."""
     memory_budget: str | int | None = None
@@ -103,8 +119,36 @@ class Plan:
                 )
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, "Plan.memory_budget")
+        self._check_memory_options()
         if self.bucket_mb <= 0:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
+
+    def _check_memory_options(self) -> None:
+        """zero as a stage number (True is 1); the memory options from their lists."""
+        zero = self.zero
+        if isinstance(zero, bool):
+            object.__setattr__(self, "zero", int(zero))
+        elif not isinstance(zero, int) or zero not in ZERO_STAGES:
+            raise PlanError(
+                f"Plan.zero={zero!r} is not a ZeRO stage; use 0 (none), 1 (optimizer state), "
+                "2 (+ gradients) or 3 (+ parameters); True means 1"
+            )
+        for name, allowed in (
+            ("compress", COMPRESSIONS),
+            ("compress_transfers", TRANSFER_COMPRESSIONS),
+            ("offload", OFFLOADS),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise PlanError(
+                    f"Plan.{name}={value!r} is unknown; use one of "
+                    f"{', '.join(repr(a) for a in allowed)}"
+                )
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a memory option changes the numbers (outside the exactness contract)."""
+        return self.compress != "none" or self.compress_transfers != "none"
 
     @classmethod
     def auto(cls, model: Any, example_batch: tuple[Any, Any], devices: int, **options: Any) -> Plan:
@@ -163,7 +207,10 @@ class Plan:
         if self.checkpoint != "never":
             text += f" recompute={self.checkpoint}"
         if self.zero:
-            text += " zero"
+            text += f" zero{self.zero}"
+        for name in ("compress", "compress_transfers", "offload"):
+            if getattr(self, name) != "none":
+                text += f" {name}={getattr(self, name)}"
         return text
 
     def as_dict(self) -> dict[str, object]:
@@ -179,6 +226,9 @@ class Plan:
             "checkpoint": self.checkpoint,
             "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
             "zero": self.zero,
+            "compress": self.compress,
+            "compress_transfers": self.compress_transfers,
+            "offload": self.offload,
             "memory_budget": self.memory_budget,
         }
 
