@@ -173,21 +173,22 @@ class Engine:
             lazy_model.keep(model, runner.local_state_dict(), self.mesh.device)
         if plan.pp == 1 and plan.checkpoint == "always":
             recompute.recompute_blocks(model, blocks)
-        params = list(runner.parameters())
-        self._parts = _Parts(
-            runner=runner,
-            sync=GradientSync(params, self.mesh.group("dp"), plan.bucket_mb),
-            optimizer=(
-                shard_optimizer(self._make_optimizer, params, self.mesh.group("dp"))
-                if plan.zero
-                else self._make_optimizer(params)
-            ),
-        )
+        sync, optimizer = self._training_state(runner)
+        self._parts = _Parts(runner=runner, sync=sync, optimizer=optimizer)
         self.memory.fit(model, runner, self._parts.sync, self._make_optimizer, profile)
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
             checkpoint.load(self, path)
         return self._parts
+
+    def _training_state(self, runner: Runner) -> tuple[GradientSync, torch.optim.Optimizer]:
+        """The gradient sync over dp and the optimizer, sharded as Plan.zero says."""
+        plan, group = self.plan, self.mesh.group("dp")
+        params = list(runner.parameters())
+        sync = GradientSync(params, group, plan.bucket_mb)
+        if plan.zero:
+            return sync, shard_optimizer(self._make_optimizer, params, group)
+        return sync, self._make_optimizer(params)
 
     def prepare(self, inputs: Any) -> None:
         """Split the model now for global batches like `inputs`, as the first train_step would."""

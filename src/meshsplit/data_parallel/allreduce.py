@@ -1,4 +1,4 @@
-"""Data parallel: gradient sync over dp while backward runs, and optimizer-state sharding.
+"""Data parallel: gradient sync over dp while backward runs, and the replicas' outputs.
 
 Each bucket is one flat buffer; every parameter's `.grad` is a view into it, so autograd
 accumulates straight into the buffer and the all-reduce needs no copy. Buckets are filled
@@ -12,15 +12,12 @@ phases.waiting) so a timeline shows how much of the sync backward did not hide.
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshsplit.phases import waiting
 
@@ -132,25 +129,6 @@ def _chunks(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Paramete
         groups[-1].append(p)
         size += nbytes
     return groups
-
-
-def shard_optimizer(
-    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-    params: list[nn.Parameter],
-    group: dist.ProcessGroup,
-) -> torch.optim.Optimizer:
-    """ZeRO stage 1: each dp rank keeps and steps the state of ~1/dp of the parameters.
-
-    Gradients are still all-reduced in full; after its step each rank broadcasts the
-    parameters it owns, so every replica ends the step with the same weights. The user's
-    factory is probed once on a dummy parameter to learn the optimizer class and settings.
-    """
-    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
-    accepted = inspect.signature(type(probe)).parameters
-    settings = {key: value for key, value in probe.defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(
-        params, optimizer_class=type(probe), process_group=group, **settings
-    )
 
 
 def gather_rows(mine: Any, replica_rows: list[int], group: dist.ProcessGroup) -> Any:
