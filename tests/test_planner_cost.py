@@ -111,6 +111,19 @@ def test_each_term_answers_its_own_cause() -> None:
     assert max(sharded.memory_bytes) < max(whole.memory_bytes)
 
 
+def test_each_zero_stage_trades_memory_for_dp_traffic_as_the_paper_says() -> None:
+    work, machine = _workload(), _machine()
+    stages = [predict(work, machine, ms.Plan(dp=4, zero=z)) for z in range(4)]
+    memory = [max(p.memory_bytes) for p in stages]
+    assert memory[0] > memory[1] > memory[2] > memory[3]
+    sent = [p.bytes_per_step["dp"] for p in stages]
+    # all-reduce 2Ψ(dp-1)/dp; zero 1 adds the gather of the updated shards; zero 2 scatters
+    # the gradients and gathers the parameters once, zero 3 gathers them for backward too
+    parameters = sum(item.parameter_bytes for item in work.items[1]) * 3 / 4
+    assert sent == pytest.approx([2 * parameters, 3 * parameters, 2 * parameters, 3 * parameters])
+    assert stages[3].terms["communication_dp"] > stages[2].terms["communication_dp"]
+
+
 def test_memory_follows_the_split_and_the_schedule() -> None:
     work, machine = _workload(), _machine()
     whole = max(predict(work, machine, ms.Plan()).memory_bytes)

@@ -157,6 +157,18 @@ def _plan_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--memory-budget", help="live tensor bytes per rank, e.g. 2GiB; checked before launch"
     )
+    command.add_argument(
+        "--zero", type=int, default=0, help="sharded state over dp: 0-3 (ZeRO stage)"
+    )
+    command.add_argument(
+        "--compress", default="none", help="saved activations: none, bf16, int8 or fp8 (lossy)"
+    )
+    command.add_argument(
+        "--compress-transfers", default="none", help="pipeline p2p: none or bf16 (lossy)"
+    )
+    command.add_argument(
+        "--offload", default="none", help="none, optimizer or activations (GPU only)"
+    )
 
 
 def _plan_from(args: argparse.Namespace) -> Plan:
@@ -168,6 +180,10 @@ def _plan_from(args: argparse.Namespace) -> Plan:
         schedule=args.schedule,
         checkpoint=args.recompute,
         memory_budget=args.memory_budget,
+        zero=args.zero,
+        compress=args.compress,
+        compress_transfers=args.compress_transfers,
+        offload=args.offload,
     )
 
 

@@ -11,8 +11,12 @@ the compute). The schedule's actions then run stage by stage in order, each wait
 stage before it (forward) or after it (backward) plus one p2p message of the boundary
 activation; the makespan M of that list is the pipeline part. After it:
 
-    dp:        gradient buckets all-reduce while the last backward runs; what is left over
-    optimizer: seconds per byte of parameters it updates (1/dp of them under zero)
+    dp:        zero 0-1: gradient buckets all-reduce while the last backward runs; what is
+               left over, plus (zero 1) the all-gather of the updated 1/dp shards.
+               zero 2-3 (FSDP2): every micro-batch all-gathers the stage's parameters before
+               its forward (zero 3: again before its backward) and reduce-scatters its
+               gradients after its backward (what the backward of the next does not hide)
+    optimizer: seconds per byte of parameters it updates (1/dp of them under zero >= 1)
     T_path = max over stages (finish_s + dp_s + optimizer_s) + step overhead
 
 On a host whose workers share its cores, every busy second of every rank needs a core, and
@@ -151,6 +155,8 @@ class _Stage:
     saved_bytes: float = 0.0
     input_bytes: float = 0.0
     largest_output: float = 0.0
+    largest_unit_bytes: int = 0
+    """The parameters of the stage's largest item: what zero 3 holds gathered at a time."""
     tp_bytes: float = 0.0
     send_bytes: float = 0.0
 
@@ -184,6 +190,7 @@ def _stages(
             )
             stage.parameter_bytes += item.parameter_bytes
             stage.trainable_bytes += item.parameter_bytes if item.trainable else 0
+            stage.largest_unit_bytes = max(stage.largest_unit_bytes, item.parameter_bytes)
             stage.saved_bytes += item.saved_bytes_per_row * rows
             stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
         if s == plan.pp - 1:
@@ -257,6 +264,23 @@ def dp_exposed_s(machine: Machine, plan: Plan, nbytes: float, overlap_s: float) 
     return max(total - overlap_s, last)
 
 
+def _dp_s(machine: Machine, plan: Plan, st: _Stage, overlap: float) -> float:
+    """The seconds stage `st`'s dp traffic adds to its step under `plan.zero` (see above)."""
+    if plan.dp <= 1:
+        return 0.0
+    if plan.zero <= 1:
+        exposed = dp_exposed_s(machine, plan, st.trainable_bytes, overlap * st.b)
+        if plan.zero:
+            exposed += machine.seconds("all_gather", plan.dp, st.trainable_bytes / plan.dp)
+        return exposed
+    m = plan.micro_batches
+    gathers = m * (2 if plan.zero == 3 else 1)
+    gather_s = machine.seconds("all_gather", plan.dp, st.parameter_bytes / plan.dp)
+    scatter_s = machine.seconds("reduce_scatter", plan.dp, st.trainable_bytes)
+    hidden = overlap * st.b * (m - 1) / m  # the last micro-batch's scatter is exposed
+    return gathers * gather_s + max(m * scatter_s - hidden, scatter_s)
+
+
 def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     """Step time, its terms and per-stage memory of `plan` (tp must be a measured width)."""
     rows = rows_per_micro_batch(plan, workload.global_rows)
@@ -275,11 +299,9 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     overlap = 0.0 if machine.cores is not None and plan.world_size >= machine.cores else 1.0
     totals = []
     for s, st in enumerate(stages):
-        dp_exposed = dp_exposed_s(machine, plan, st.trainable_bytes, overlap * st.b)
+        dp_exposed = _dp_s(machine, plan, st, overlap)
         shard = plan.dp if plan.zero else 1
         optimizer = workload.optimizer_s_per_byte * st.trainable_bytes / shard
-        if plan.zero and plan.dp > 1:
-            dp_exposed += machine.seconds("all_gather", plan.dp, st.trainable_bytes / plan.dp)
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
     path = max(total for total, _, _ in totals) + workload.step_overhead_s
     busy = sum(m * (st.f + st.b) + totals[s][1] + totals[s][2] for s, st in enumerate(stages)) * (
@@ -314,11 +336,24 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         bytes_per_step={
             "tp": m * st.tp_bytes,
             "pp": 2 * m * (st.send_bytes + st.input_bytes),
-            "dp": 2 * st.trainable_bytes * (plan.dp - 1) / plan.dp if plan.dp > 1 else 0.0,
+            "dp": _dp_bytes(plan, st),
         },
         critical_stage=critical,
         intervals=tuple(intervals),
     )
+
+
+def _dp_bytes(plan: Plan, st: _Stage) -> float:
+    """Bytes one rank sends over dp in a step: an all-reduce moves 2(dp-1)/dp of the
+    gradients; zero 2-3 one reduce-scatter (dp-1)/dp per micro-batch and as many all-gathers
+    of the parameters as it gathers."""
+    if plan.dp <= 1:
+        return 0.0
+    share = (plan.dp - 1) / plan.dp
+    if plan.zero <= 1:
+        return (2 * st.trainable_bytes + (st.trainable_bytes if plan.zero else 0)) * share
+    gathers = plan.micro_batches * (2 if plan.zero == 3 else 1)
+    return plan.micro_batches * st.trainable_bytes * share + gathers * st.parameter_bytes * share
 
 
 def _memory(
@@ -332,6 +367,19 @@ def _memory(
     saved = st.input_bytes + st.largest_output if _recomputes(plan, s) else st.saved_bytes
     activations = in_flight * saved + (st.saved_bytes if _recomputes(plan, s) else 0.0)
     buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)
-    state = float(st.parameter_bytes + st.trainable_bytes)
-    state += workload.optimizer_state_per_byte * st.trainable_bytes / shard
+    state = _state_bytes(plan, st) + workload.optimizer_state_per_byte * st.trainable_bytes / shard
     return int(state + activations + buffers + 2 * st.largest_output)
+
+
+def _state_bytes(plan: Plan, st: _Stage) -> float:
+    """Parameters and gradients at the step's peak: whole under zero 0-1; zero 2 keeps its
+    1/dp shards beside the gathered parameters and 1/dp of the gradients (one item's whole
+    while it is reduced); zero 3 holds only shards and one item gathered (two: the next is
+    prefetched) beside one item's whole gradients."""
+    whole, trainable = float(st.parameter_bytes), float(st.trainable_bytes)
+    if plan.zero <= 1 or plan.dp <= 1:
+        return whole + trainable
+    shards = (whole + trainable) / plan.dp
+    if plan.zero == 2:
+        return whole + shards + st.largest_unit_bytes
+    return shards + 3 * st.largest_unit_bytes

@@ -40,7 +40,7 @@ def _variants(plan: Plan) -> list[Plan]:
     """Schedules, recompute and zero for one (dp, pp, tp, m)."""
     schedules = ("1f1b", "gpipe") if plan.pp > 1 else ("1f1b",)
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
-    zeros = (0, 1) if plan.dp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if plan.dp > 1 else (0,)
     return [
         Plan(
             dp=plan.dp,
