@@ -5,25 +5,33 @@ schedules, recompute on and off), `ms.estimate_memory` (one process) beside the 
 tensor bytes each real worker measured; prints the error per rank. Part 2: one training step
 of each model in one process, plain, under meshsplit's live-tensor tracker and under
 `torch.distributed._tools.MemTracker`: the time ratio of each to plain (rounds A B C C B A,
-median) and the peaks they report.
+median) and the peaks they report. Part 3: one model and plan (the transformer, d_model 256,
+at dp=2) under each memory technique: the per-rank peak of live tensor bytes by category and
+the step time against the plain plan, beside FSDP2's own `fully_shard` loop on the same model
+(the same blocks sharded; what zero=3 runs inside the engine).
 
-    python benchmarks/bench_memory.py [--rows 32] [--rounds 6]
+    python benchmarks/bench_memory.py [--rows 32] [--rounds 6] [--parts estimate,tracker,techniques]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import fully_shard
 
 import meshsplit as ms
 from meshsplit.memory.report import optimizer_tensors
 from meshsplit.memory.tracker import LiveTensors
+
+from rounds import take_turns
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": ms.models.mlp,
@@ -158,14 +166,104 @@ def _overhead(name: str, rows: int, rounds: int) -> tuple[dict[str, float], dict
     return {key: median[key] / median["plain"] for key in ("ours", "theirs")}, peaks
 
 
+TECHNIQUES = {
+    "plain": ms.Plan(dp=2),
+    "zero=1": ms.Plan(dp=2, zero=1),
+    "zero=2": ms.Plan(dp=2, zero=2),
+    "zero=3": ms.Plan(dp=2, zero=3),
+    "recompute": ms.Plan(dp=2, checkpoint="always"),
+    "compress=bf16": ms.Plan(dp=2, compress="bf16"),
+    "compress=int8": ms.Plan(dp=2, compress="int8"),
+    "compress=fp8": ms.Plan(dp=2, compress="fp8"),
+    "offload=optimizer": ms.Plan(dp=2, offload="optimizer"),
+}
+SHOWN = ("parameters", "gradients", "optimizer", "activations")
+
+
+def _wide_transformer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ms.models.transformer(d_model=256, n_layers=4)
+
+
+def _fsdp2(rows: int) -> tuple[Callable[[], None], dict[str, int]]:
+    """FSDP2 by hand: each block and the root `fully_shard`ed over the world, a plain loop."""
+    model = _wide_transformer()
+    for name, child in model.named_children():
+        if name.startswith("block"):
+            fully_shard(child)
+    fully_shard(model)
+    optimizer, loss = _adam(model.parameters()), _loss("transformer")
+    x, y = _batch("transformer", rows)
+    share = rows // dist.get_world_size()
+    local = x[dist.get_rank() * share :][:share], y[dist.get_rank() * share :][:share]
+
+    def step() -> None:
+        _step(model, optimizer, local, loss)
+
+    step()
+    holders = {
+        "parameters": lambda: [p.to_local() for p in model.parameters()],
+        "optimizer": lambda: [t.to_local() for t in optimizer_tensors(optimizer)],
+    }
+    with LiveTensors(torch.device("cpu"), holders) as tracker:
+        step()
+    return step, {"peak": tracker.peak.bytes, **tracker.peak.breakdown}
+
+
+def _techniques(rows: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Runs in each worker: every technique's tracked peak, then step times taking turns."""
+    batch = _batch("transformer", rows)
+    runs: dict[str, Callable[[], Any]] = {}
+    figures: dict[str, dict[str, float]] = {}
+    for label, plan in TECHNIQUES.items():
+        engine = ms.parallelize(
+            _wide_transformer(), plan, optimizer=_adam, loss_fn=_loss("transformer")
+        )
+        for _ in range(2):
+            engine.train_step(*batch)
+        report = engine.memory_report()
+        figures[label] = {"peak": report.tensor_peak_bytes, **(report.tensor_breakdown or {})}
+        engine.memory.track = False
+        runs[label] = functools.partial(engine.train_step, *batch)
+    runs["FSDP2 (torch)"], figures["FSDP2 (torch)"] = _fsdp2(rows)
+    for label, values in take_turns(runs, rounds, 3).items():
+        figures[label]["seconds"] = statistics.median(values)
+    return figures
+
+
+def techniques(rows: int, rounds: int) -> None:
+    per_rank = ms.launch(_techniques, 2, args=(rows, rounds), timeout_s=1200)
+    print(f"\ntransformer d_model=256 x4 blocks, dp=2, batch {rows}, Adam; rank 0 (rank 1 alike)")
+    print(f"{'technique':18s} {'peak MiB':>8s} {'x plain':>7s} "
+          + " ".join(f"{c[:11]:>11s}" for c in SHOWN) + f" {'step/plain':>10s}")  # fmt: skip
+    figures = per_rank[0]
+    plain = figures["plain"]
+    for label, row in figures.items():
+        parts = " ".join(f"{row.get(c, 0) / 2**20:11.2f}" for c in SHOWN)
+        print(
+            f"{label:18s} {row['peak'] / 2**20:8.2f} {row['peak'] / plain['peak']:7.2f} {parts} "
+            f"{row['seconds'] / plain['seconds']:10.2f}"
+        )
+    ours, theirs = figures["zero=3"], figures["FSDP2 (torch)"]
+    print(f"zero=3 against FSDP2 by hand: step {ours['seconds'] / theirs['seconds']:.2f}x, "
+          f"peak {ours['peak'] / theirs['peak']:.2f}x")  # fmt: skip
+
+
+PARTS = {"estimate": estimate_grid, "tracker": tracker_overhead, "techniques": techniques}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32, help="global batch")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--parts", default=",".join(PARTS), help="which parts, in order")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    estimate_grid(args.rows)
-    tracker_overhead(args.rows, args.rounds)
+    for part in args.parts.split(","):
+        if part == "estimate":
+            estimate_grid(args.rows)
+        else:
+            PARTS[part](args.rows, args.rounds)
 
 
 if __name__ == "__main__":

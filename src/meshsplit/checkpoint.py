@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor, Shard
 
 from meshsplit import tensor as tp_tensor
+from meshsplit.memory import pools
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan
 
@@ -263,25 +264,11 @@ def _check_fits(state: dict[str, Any], metadata: Metadata, path: Path) -> None:
 def _local_optimizer(engine: Engine) -> torch.optim.Optimizer | None:
     """The optimizer that holds this rank's state (the inner one under ZeRO)."""
     optimizer = engine.optimizer
-    return getattr(optimizer, "optim", optimizer)
+    return None if optimizer is None else pools.local_optimizer(optimizer)
 
 
 def _ensure_optimizer_state(engine: Engine) -> None:
-    """Create the optimizer's state tensors (lazy in torch) with a zero-gradient, zero-lr step."""
+    """Create the optimizer's state tensors (lazy in torch) for the load to fill."""
     optimizer = _local_optimizer(engine)
-    if optimizer is None:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(p in optimizer.state for p in params):
-        return
-    saved_lrs = [group["lr"] for group in optimizer.param_groups]
-    saved_grads = [p.grad for p in params]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
-        group["lr"] = lr
-    for p, grad in zip(params, saved_grads, strict=True):
-        p.grad = grad
+    if optimizer is not None:
+        pools.create_state(optimizer)

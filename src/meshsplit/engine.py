@@ -27,9 +27,16 @@ from meshsplit.batchnorm import (
     convert_batchnorm,
     describe_batchnorm,
 )
-from meshsplit.data_parallel import GradientSync, gather_rows, shard_optimizer
+from meshsplit.data_parallel import (
+    GradientSync,
+    Sync,
+    gather_rows,
+    gather_shards,
+    shard_optimizer,
+    shard_state,
+)
 from meshsplit.lazy_model import ModelSource
-from meshsplit.memory import recompute
+from meshsplit.memory import compress, offload, pools, reclaim, recompute
 from meshsplit.memory.report import (
     MemoryReport,
     baseline_bytes,
@@ -46,6 +53,7 @@ from meshsplit.plan import Plan, PlanError
 from meshsplit.rank_memory import RankMemory
 from meshsplit.runner import LocalRunner, Runner
 from meshsplit.start import broadcast_from_first_rank, share_random_stream
+from meshsplit.tensor.collectives import staging
 
 __all__ = ["Engine", "parallelize"]
 
@@ -129,6 +137,8 @@ class Engine:
         """Process memory besides the model when it was handed over (see MemoryReport)."""
         self._parts: _Parts | None = None
         self._pending_load: Path | None = None
+        self._offload: offload.Offload | None = None
+        self._closed = False
         self.memory = RankMemory(plan, mesh)
         """This rank's budget and the live-tensor count of each step (see rank_memory.py)."""
 
@@ -175,20 +185,44 @@ class Engine:
             recompute.recompute_blocks(model, blocks)
         sync, optimizer = self._training_state(runner)
         self._parts = _Parts(runner=runner, sync=sync, optimizer=optimizer)
+        self.preallocated = pools.preallocate(
+            optimizer, self.mesh.device, reserve_memory=plan.reserve_memory,
+            budget_bytes=plan.budget_bytes,
+        )  # fmt: skip
         self.memory.fit(model, runner, self._parts.sync, self._make_optimizer, profile)
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
             checkpoint.load(self, path)
         return self._parts
 
-    def _training_state(self, runner: Runner) -> tuple[GradientSync, torch.optim.Optimizer]:
+    def _training_state(self, runner: Runner) -> tuple[Sync, torch.optim.Optimizer]:
         """The gradient sync over dp and the optimizer, sharded as Plan.zero says."""
         plan, group = self.plan, self.mesh.group("dp")
+        offload.check(plan, self.mesh.device)
+        if plan.zero >= 2:
+            pipeline = isinstance(runner, PipelineRunner)
+            sharded = shard_state(
+                runner.module,
+                runner.items()
+                if isinstance(runner, PipelineRunner)
+                else piece_names(runner.module),
+                group,
+                stage=plan.zero,
+                root_runs=not pipeline,  # a stage's items run alone, the stage never does
+                bucket_mb=plan.bucket_mb,
+                keep_whole=runner.tied.parameters if isinstance(runner, PipelineRunner) else (),
+            )
+            if isinstance(runner, PipelineRunner):
+                runner.reread_state()
+            return sharded, self._make_optimizer(runner.parameters())
         params = list(runner.parameters())
         sync = GradientSync(params, group, plan.bucket_mb)
-        if plan.zero:
+        if plan.zero == 1:
             return sync, shard_optimizer(self._make_optimizer, params, group)
-        return sync, self._make_optimizer(params)
+        optimizer = self._make_optimizer(params)
+        if plan.offload == "optimizer":
+            self._offload = offload.host_state(optimizer, self.mesh.device)
+        return sync, optimizer
 
     def prepare(self, inputs: Any) -> None:
         """Split the model now for global batches like `inputs`, as the first train_step would."""
@@ -215,7 +249,7 @@ class Engine:
         return self._built().runner
 
     @property
-    def sync(self) -> GradientSync:
+    def sync(self) -> Sync:
         return self._built().sync
 
     @property
@@ -228,6 +262,11 @@ class Engine:
 
     def train_step(self, inputs: Any, targets: Any) -> float:
         """One optimizer step on the global batch; its mean loss, the same on every rank."""
+        if self._closed:
+            raise RuntimeError(
+                "engine is closed: it gave back its buffers and optimizer "
+                "state; build a new one with ms.parallelize to train again"
+            )
         global_rows = rows(inputs)
         self.plan.check_batch(global_rows)
         if rows(targets) != global_rows:
@@ -237,7 +276,11 @@ class Engine:
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
         with self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1):
             parts.sync.begin_step(parts.runner.backward_passes())
-            loss = parts.runner.train_batch(x, y, global_rows)
+            with (
+                compress.packing(self.plan.compress, parts.runner.module),
+                offload.saved_on_host(self.plan),
+            ):
+                loss = parts.runner.train_batch(x, y, global_rows)
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
@@ -307,7 +350,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit model's state dict (same keys and shapes as the original), on CPU."""
-        local = self.runner.local_state_dict()
+        local = gather_shards(self.runner.local_state_dict())
         if self.plan.tp > 1:
             local = tensor.unshard_state_dict(self.model, local, self.mesh.group("tp"))
         local = {k: v.detach().cpu().clone() for k, v in local.items()}
@@ -376,9 +419,27 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Release hooks and buffers; the process group stays for the caller."""
-        if self._parts is not None:
-            self._parts.sync.close()
+        """Give back what the engine took: its hooks, gradient buckets, optimizer state (and
+        its files under offload), pipeline receive pools and the staging buffers of its own
+        tp group, then the freed heap to the OS. The model, the process group (and the
+        staging buffers of a tp group that is the whole world, shared by every engine) stay
+        for the caller; the engine then refuses to train."""
+        self._closed = True
+        if self._parts is None:
+            return
+        parts = self._parts
+        parts.sync.close()
+        buffers = [*parts.sync.gradient_tensors(), *parts.runner.communication_buffers()]
+        if self.plan.tp > 1 and (tp_group := self.mesh.group("tp")) is not dist.group.WORLD:
+            buffers += staging(tp_group).buffers
+        for param in parts.runner.parameters():
+            param.grad = None
+        reclaim.free_storages(buffers)
+        pools.local_optimizer(parts.optimizer).state.clear()
+        if self._offload is not None:
+            self._offload.close()
+            self._offload = None
+        reclaim.trim_heap()
 
 
 class _Unsplit:
@@ -399,5 +460,5 @@ class _Parts:
     """What exists once the model is split: this rank's runner, its grad sync, its optimizer."""
 
     runner: Runner
-    sync: GradientSync
+    sync: Sync
     optimizer: torch.optim.Optimizer

@@ -81,6 +81,8 @@ class Plan:
     memory_budget: str | int | None = None
     """Live tensor bytes each rank may hold, e.g. '2GiB', '512MB' or an int of bytes: checked
     against the estimate before the first step and enforced while training."""
+    reserve_memory: bool = False
+    """GPU: make the caching allocator hold the rank's estimated peak before step 1."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches"):
@@ -230,6 +232,7 @@ class Plan:
             "compress_transfers": self.compress_transfers,
             "offload": self.offload,
             "memory_budget": self.memory_budget,
+            "reserve_memory": self.reserve_memory,
         }
 
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit import phases
-from meshsplit.data_parallel import GradientSync
+from meshsplit.data_parallel import Sync
 from meshsplit.memory import recompute
 from meshsplit.memory.budget import RankBudget, fit_budget, optimizer_need
-from meshsplit.memory.report import optimizer_tensors, tensor_bytes
+from meshsplit.memory.report import local_tensor, optimizer_tensors, tensor_bytes
 from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.runner import PipelineRunner
@@ -70,7 +70,7 @@ class RankMemory:
         self,
         model: nn.Module,
         runner: Runner,
-        sync: GradientSync,
+        sync: Sync,
         make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         profile: recompute.BlockProfile | None,
     ) -> None:
@@ -98,9 +98,7 @@ class RankMemory:
             torch.cuda.set_per_process_memory_fraction(fraction, self.mesh.device)
 
     @contextmanager
-    def step(
-        self, runner: Runner, sync: GradientSync, optimizer: Any, number: int
-    ) -> Iterator[None]:
+    def step(self, runner: Runner, sync: Sync, optimizer: Any, number: int) -> Iterator[None]:
         """Count step `number`'s live tensor bytes and hold it to the budget."""
         where = f"rank {dist.get_rank()}, step {number}"
         device = self.mesh.device
@@ -123,8 +121,8 @@ class RankMemory:
             return
         tp_staging = staging(self.mesh.group("tp"))
         holders: Holders = {
-            "parameters": lambda: runner.local_state_dict().values(),
-            "gradients": lambda: (bucket.flat for bucket in sync.buckets),
+            "parameters": lambda: map(local_tensor, runner.local_state_dict().values()),
+            "gradients": sync.gradient_tensors,
             "optimizer": lambda: optimizer_tensors(optimizer),
             "buffers": lambda: [*runner.communication_buffers(), *tp_staging.buffers],
         }
@@ -142,7 +140,7 @@ def _fit(
     plan: Plan,
     mesh: Mesh,
     runner: Runner,
-    sync: GradientSync,
+    sync: Sync,
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
     profile: recompute.BlockProfile | None,
     *,
@@ -156,7 +154,8 @@ def _fit(
         in_flight = max_in_flight(
             schedule(plan.schedule, plan.pp, plan.micro_batches)[mesh.rank("pp")]
         )
-    need = optimizer_need(make_optimizer, list(runner.parameters()), plan.dp if plan.zero else 1)
+    held = [local_tensor(p) for p in runner.parameters()]  # a sharded parameter: its shard
+    need = optimizer_need(make_optimizer, held, plan.dp if plan.zero == 1 else 1)
     return fit_budget(
         where=f"rank {dist.get_rank()} ({plan.describe()})",
         budget_bytes=plan.budget_bytes or 0,

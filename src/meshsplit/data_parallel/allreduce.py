@@ -97,6 +97,10 @@ class GradientSync:
         for bucket in self.buckets:
             bucket.flat.zero_()
 
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The buffers every gradient lives in."""
+        return [bucket.flat for bucket in self.buckets]
+
     def gradient_bytes(self) -> int:
         return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
 

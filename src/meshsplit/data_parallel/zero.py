@@ -1,4 +1,10 @@
-"""Sharded training state over dp (ZeRO): stage 1 here; 2 and 3 stand on FSDP2."""
+"""Sharded training state over dp (ZeRO): stage 1 on ZeroRedundancyOptimizer, stages 2 and 3
+on FSDP2's `fully_shard`.
+
+Per rank, with Ψ parameters and K bytes of optimizer state per parameter byte (fp32 Adam:
+K = 2): stage 1 holds Ψ + Ψ + KΨ/dp, stage 2 Ψ + (1 + K)Ψ/dp, stage 3 (2 + K)Ψ/dp plus one
+block's gathered parameters at a time.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,13 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.plan import PlanError
 
 __all__: list[str] = []
 
@@ -30,3 +42,133 @@ def shard_optimizer(
     return ZeroRedundancyOptimizer(
         params, optimizer_class=type(probe), process_group=group, **settings
     )
+
+
+def shard_state(
+    module: nn.Module,
+    units: list[str],
+    group: dist.ProcessGroup,
+    *,
+    stage: int,
+    root_runs: bool,
+    bucket_mb: float,
+    keep_whole: Iterable[nn.Parameter] = (),
+) -> ShardedGradients:
+    """ZeRO stages 2 and 3 on FSDP2: each unit of `module` (a block, a pipeline item) is
+    `fully_shard`ed over the dp `group`, so each rank holds 1/dp of its parameters, gradients
+    and (through the sharded parameters) optimizer state.
+
+    Forward all-gathers a unit's parameters before it runs; backward reduce-scatters its
+    gradients after. Stage 3 frees the gathered parameters after each unit's forward and
+    gathers them again for its backward; stage 2 keeps them from forward to backward (less
+    traffic, more memory). Gradients are summed, not averaged, over dp: the loss is already
+    weighted by each replica's share of the batch. A unit that shares a parameter with code
+    outside it (a tied embedding) or holds one of `keep_whole` (shared with another stage)
+    is not a unit; when `module` itself runs forward (`root_runs`) it is sharded too and
+    takes the parameters no unit took, else they stay whole and all-reduce in buckets.
+    """
+    mesh = DeviceMesh.from_group(group, _device_type(module))
+    reshard = stage == 3
+    kept_whole = {id(p) for p in keep_whole}
+    wrapped = _exclusive(module, units, kept_whole)
+    if root_runs:
+        wrapped.append("")
+    taken: set[int] = set()
+    for name in wrapped:  # all checked before any is sharded: a refusal leaves the model as it was
+        unit = [p for p in module.get_submodule(name).parameters() if id(p) not in taken]
+        _check_gatherable(unit, name, stage)
+        taken |= {id(p) for p in unit}
+    for name in wrapped:
+        fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
+    return ShardedGradients(module, GradientSync(whole, group, bucket_mb))
+
+
+def _check_gatherable(params: list[nn.Parameter], name: str, stage: int) -> None:
+    """FSDP2 gathers a unit's parameters (those no inner unit took) as one flat buffer: one
+    dtype, dense."""
+    dtypes = sorted({str(p.dtype) for p in params})
+    where = f"{name!r}" if name else "the model"
+    if len(dtypes) > 1:
+        raise PlanError(
+            f"Plan.zero={stage} cannot shard {where}: its parameters mix {', '.join(dtypes)} "
+            "and a sharded unit is gathered as one buffer of one dtype; cast the model to "
+            "one dtype, or use zero=1 (optimizer state only) or zero=0"
+        )
+    odd = [p for p in params if p.layout != torch.strided or p.is_meta]
+    if odd:
+        raise PlanError(
+            f"Plan.zero={stage} cannot shard {where}: it holds {odd[0].layout} or meta "
+            "parameters, which cannot be gathered; materialize them as dense tensors, or use "
+            "zero=1 or zero=0"
+        )
+
+
+def _exclusive(module: nn.Module, units: list[str], whole: set[int]) -> list[str]:
+    """The units with trainable parameters that nothing outside them also holds."""
+    holders: dict[int, set[str | None]] = {}
+    for path, p in module.named_parameters(remove_duplicate=False):
+        unit = next((u for u in units if path.startswith(u + ".")), None)
+        holders.setdefault(id(p), set()).add(unit)
+    kept = []
+    for name in units:
+        params = list(module.get_submodule(name).parameters())
+        alone = all(holders[id(p)] == {name} and id(p) not in whole for p in params)
+        if alone and any(p.requires_grad for p in params):
+            kept.append(name)
+    return kept
+
+
+class ShardedGradients:
+    """The gradient sync of a module FSDP2 shards: it reduce-scatters during backward, so a
+    step only waits for the buckets of the parameters left whole and drops the gradients
+    after the optimizer used them."""
+
+    def __init__(self, module: nn.Module, whole: GradientSync) -> None:
+        self.sharded = [p for p in module.parameters() if isinstance(p, DTensor)]
+        self.whole = whole
+
+    def begin_step(self, backward_passes: int) -> None:
+        """Every micro-batch's backward reduce-scatters and adds to the sharded gradient."""
+        self.whole.begin_step(backward_passes)
+
+    def finish(self) -> None:
+        """FSDP2 waits for its reduce-scatters at the end of each backward."""
+        self.whole.finish()
+
+    def zero_grad(self) -> None:
+        self.whole.zero_grad()
+        for p in self.sharded:
+            p.grad = None
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """This rank's gradient shards (after backward; none between steps), and the buckets."""
+        shards = [_local(p.grad) for p in self.sharded if p.grad is not None]
+        return [*shards, *self.whole.gradient_tensors()]
+
+    def gradient_bytes(self) -> int:
+        """What this rank's gradients take while they exist."""
+        shards = sum(_local(p).numel() * p.element_size() for p in self.sharded)
+        return shards + self.whole.gradient_bytes()
+
+    def close(self) -> None:
+        self.whole.close()
+        self.sharded = []
+
+
+def gather_shards(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every FSDP2 shard gathered whole (a collective over dp: every rank calls)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _device_type(module: nn.Module) -> str:
+    first = next(module.parameters(), None)
+    return first.device.type if first is not None else "cpu"

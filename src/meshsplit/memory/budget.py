@@ -38,7 +38,7 @@ class OptimizerNeed:
 
 def optimizer_need(
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-    params: Sequence[nn.Parameter],
+    params: Sequence[torch.Tensor],
     shards: int = 1,
 ) -> OptimizerNeed:
     """What the optimizer will hold for `params` (1/shards under ZeRO), learnt from probe
@@ -78,7 +78,7 @@ def _probe(
     return max(0, tracker.peak.bytes - 2 * sum(p.nbytes for p in probes) - lasting), lasting
 
 
-def _scaled(measured: list[int], params: Sequence[nn.Parameter]) -> int:
+def _scaled(measured: list[int], params: Sequence[torch.Tensor]) -> int:
     """Bytes for `params` from bytes measured on the float32 probes."""
     low, high = _PROBE_SIZES
     per_element = (measured[1] - measured[0]) / (high - low)

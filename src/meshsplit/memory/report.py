@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__: list[str] = []
 
@@ -40,8 +41,15 @@ class MemoryReport:
         return asdict(self)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: its shard when it is a DTensor (FSDP2's sharded
+    parameters and their optimizer state), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds of `tensors` (a DTensor counts its local shard)."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tensors)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -58,7 +66,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor
     for state in local.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                yield value
+                yield local_tensor(value)
 
 
 def _proc_status_bytes(field: str) -> int | None:

@@ -16,18 +16,35 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.fsdp._fully_shard import _fsdp_param
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshsplit import phases
 
 __all__ = ["MemoryBudgetError"]
+
+_active: list[LiveTensors] = []
+"""The trackers counting now, innermost last (a step nests in no other, a test may)."""
+
+
+def count_saved(tensor: torch.Tensor) -> None:
+    """Count `tensor` as kept for backward by every active tracker.
+
+    An inner saved-tensors hook (compression, offload) shadows the tracker's own, so it
+    calls this for what it keeps instead of the tensor autograd handed it.
+    """
+    for tracker in _active:
+        tracker._see(tensor, "activations")
+
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
 """Where a byte goes. parameters: parameters and module buffers (the model's state);
@@ -122,9 +139,13 @@ class LiveTensors(TorchDispatchMode):
         listening.__enter__()
         self._contexts = [listening, saved]
         super().__enter__()
+        _active.append(self)
+        self._contexts.insert(0, _following_fsdp_storage(self._resized))
+        self._contexts[0].__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _active.remove(self)
         super().__exit__(*exc)
         for context in self._contexts:
             context.__exit__(*exc)
@@ -149,6 +170,8 @@ class LiveTensors(TorchDispatchMode):
         return out
 
     def _see(self, tensor: torch.Tensor, category: str) -> None:
+        if isinstance(tensor, DTensor):  # a wrapper: what this rank holds is its shard
+            tensor = tensor._local_tensor
         if tensor.device != self.device or tensor.is_meta or tensor.layout != torch.strided:
             return
         with self._lock:
@@ -161,12 +184,33 @@ class LiveTensors(TorchDispatchMode):
             if _RANK[category] < _RANK[known.category]:
                 self._move(known, category)
             return
+        if storage.filename is not None:  # mapped from a file (memory/offload.py): page cache
+            return
         nbytes = storage.nbytes()
         ref = weakref.ref(storage, functools.partial(self._freed, key))
         self._live[key] = _Storage(nbytes, category, ref)
         self._totals[category] += nbytes
         self._total += nbytes
         self._note_peak()
+
+    def _resized(self, tensor: torch.Tensor) -> None:
+        """FSDP2 frees and refills a gathered parameter by resizing its storage in place,
+        which no op or weak reference reports: follow the new size (it is a parameter)."""
+        if tensor.device != self.device:
+            return
+        storage = tensor.untyped_storage()
+        with self._lock:
+            known = self._live.get(id(storage))
+            if known is None or known.ref() is not storage:
+                self._count(storage, "parameters")
+                return
+            if known.category != "parameters":
+                self._move(known, "parameters")
+            change = storage.nbytes() - known.nbytes
+            known.nbytes += change
+            self._totals["parameters"] += change
+            self._total += change
+            self._note_peak()
 
     def _move(self, storage: _Storage, category: str) -> None:
         self._totals[storage.category] -= storage.nbytes
@@ -216,6 +260,25 @@ class LiveTensors(TorchDispatchMode):
                 "ms.estimate_memory for a plan that fits, e.g. checkpoint='auto'"
             )
         self._phase_peak = self._total
+
+
+@contextmanager
+def _following_fsdp_storage(resized: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call `resized(tensor)` after each of FSDP2's in-place storage frees and refills."""
+    original = (_fsdp_param.alloc_storage, _fsdp_param.free_storage)
+
+    def wrap(function: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def resize(tensor: torch.Tensor) -> None:
+            function(tensor)
+            resized(tensor)
+
+        return resize
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = map(wrap, original)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = original
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

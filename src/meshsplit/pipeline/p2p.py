@@ -2,12 +2,14 @@
 
 A message is a list of tensors from one rank to another. The first time a sender sends a
 message under a given key (the micro-batch's input signature), it puts a header in front:
-[length] then [dtype, requires_grad, ndim, *shape] per tensor. The receiver reads the header
-once, remembers it under the same key, and from then on receives straight into buffers from
-a pool, so a step allocates nothing new once the pool is warm. Sends are asynchronous (the
-caller keeps the works and the tensors alive until they finish); receives block, bounded by
-the process group's timeout. Both waits are marked ("p2p wait", phases.waiting) so a
-timeline shows where a stage sits idle for its peers.
+[length] then [dtype, wire dtype, requires_grad, ndim, *shape] per tensor. The receiver reads
+the header once, remembers it under the same key, and from then on receives straight into
+buffers from a pool, so a step allocates nothing new once the pool is warm. Sends are
+asynchronous (the caller keeps the works and the tensors alive until they finish); receives
+block, bounded by the process group's timeout. Under Plan.compress_transfers='bf16' floating
+tensors travel as bfloat16 (the wire dtype; half the bytes) and the receiver casts them back
+to their own dtype, so its pool buffers hold bf16. Both waits are marked ("p2p wait",
+phases.waiting) so a timeline shows where a stage sits idle for its peers.
 """
 
 from __future__ import annotations
@@ -37,24 +39,39 @@ DTYPES = (
 )
 
 
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
+"""Plan.compress_transfers -> the dtype floating tensors travel as (None: their own)."""
+
+
 @dataclass(frozen=True)
 class TensorMeta:
-    """What a receiver must know to allocate a buffer for one tensor."""
+    """What a receiver must know to allocate a buffer for one tensor and restore it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    wire: torch.dtype | None = None
+    """The dtype it travels as, when not its own (then the buffer holds this dtype)."""
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorMeta:
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+    def of(cls, tensor: torch.Tensor, wire: torch.dtype | None = None) -> TensorMeta:
+        """`tensor`'s meta; a floating tensor of another dtype than `wire` travels as `wire`."""
+        cast = wire is not None and tensor.is_floating_point() and tensor.dtype != wire
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, wire if cast else None)
+
+    @property
+    def carried(self) -> torch.dtype:
+        """The dtype on the wire and in the receive buffer."""
+        return self.wire if self.wire is not None else self.dtype
 
 
 def encode(metas: list[TensorMeta]) -> torch.Tensor:
-    """Header for a message: per tensor [dtype index, requires_grad, ndim, *shape] (int64)."""
+    """Header for a message: per tensor [dtype, wire dtype, requires_grad, ndim, *shape]
+    (int64; dtypes as indices into DTYPES)."""
     values: list[int] = []
     for meta in metas:
-        values += [DTYPES.index(meta.dtype), int(meta.requires_grad), len(meta.shape), *meta.shape]
+        dtypes = [DTYPES.index(meta.dtype), DTYPES.index(meta.carried)]
+        values += [*dtypes, int(meta.requires_grad), len(meta.shape), *meta.shape]
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -62,10 +79,11 @@ def decode(header: torch.Tensor) -> list[TensorMeta]:
     values = header.tolist()
     metas, at = [], 0
     while at < len(values):
-        dtype, grad, ndim = values[at : at + 3]
-        shape = tuple(values[at + 3 : at + 3 + ndim])
-        metas.append(TensorMeta(shape, DTYPES[dtype], bool(grad)))
-        at += 3 + ndim
+        dtype, wire, grad, ndim = values[at : at + 4]
+        shape = tuple(values[at + 4 : at + 4 + ndim])
+        cast = DTYPES[wire] if wire != dtype else None
+        metas.append(TensorMeta(shape, DTYPES[dtype], bool(grad), cast))
+        at += 4 + ndim
     return metas
 
 
@@ -85,11 +103,11 @@ class BufferPool:
         """Every buffer the pool created, lent or free (for memory accounting)."""
 
     def take(self, meta: TensorMeta) -> torch.Tensor:
-        free = self._free.get((meta.shape, meta.dtype))
+        free = self._free.get((meta.shape, meta.carried))
         if free:
             return free.pop()
         self.allocations += 1
-        buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        buffer = torch.empty(meta.shape, dtype=meta.carried, device=self.device)
         self._storages.add(buffer.untyped_storage().data_ptr())
         self.buffers.append(buffer)
         return buffer
@@ -120,21 +138,30 @@ class Sending:
 
 @dataclass(frozen=True)
 class Received:
-    """One message: tensors in pool buffers, with what the sender said about them."""
+    """One message: its tensors, with what the sender said about them, and the pool buffers
+    they still occupy (give them back once nothing reads them; a tensor cast back from its
+    wire dtype is a copy, and its buffer is back in the pool already)."""
 
     tensors: list[torch.Tensor]
     metas: list[TensorMeta]
+    lent: list[torch.Tensor]
 
 
 class Exchange:
     """This rank's point-to-point traffic with the other stages (global ranks)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, transfers: str = "none") -> None:
         self.device = device
+        self.wire = WIRE_DTYPES[transfers]
+        """What floating tensors travel as (Plan.compress_transfers); None: their own dtype."""
         self.pool = BufferPool(device)
         self.told: dict[tuple[int, Hashable], list[TensorMeta]] = {}
         """(peer, key) -> the header sent to that peer under that key."""
         self._heard: dict[tuple[int, Hashable], list[TensorMeta]] = {}
+
+    def meta(self, tensor: torch.Tensor) -> TensorMeta:
+        """How `tensor` travels from this rank (its dtype, or the wire dtype)."""
+        return TensorMeta.of(tensor, self.wire)
 
     def learn(self, peer: int, key: Hashable, metas: list[TensorMeta]) -> None:
         """Take the header `peer` sends under `key` as heard (a simulated run has no peer)."""
@@ -150,7 +177,7 @@ class Exchange:
         ops, keep = [], []
         for peer, tensors in messages:
             if key is not None and (peer, key) not in self.told:
-                metas = [TensorMeta.of(t) for t in tensors]
+                metas = [self.meta(t) for t in tensors]
                 header = encode(metas).to(self.device)
                 length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
                 ops += [dist.P2POp(dist.isend, length, peer), dist.P2POp(dist.isend, header, peer)]
@@ -158,7 +185,11 @@ class Exchange:
                 self.told[(peer, key)] = metas
             for tensor in tensors:
                 data = tensor.detach()
-                data = data.clone() if self.pool.owns(data) else data.contiguous()
+                wire = self.meta(data).wire
+                if wire is not None:  # a cast is a copy of its own
+                    data = data.to(wire).contiguous()
+                else:
+                    data = data.clone() if self.pool.owns(data) else data.contiguous()
                 ops.append(dist.P2POp(dist.isend, data, peer))
                 keep.append(data)
         works = dist.batch_isend_irecv(ops) if ops else []
@@ -180,18 +211,27 @@ class Exchange:
 
     def receive_like(self, messages: list[tuple[int, list[TensorMeta]]]) -> list[Received]:
         """One message from each peer whose shapes this rank already knows (e.g. gradients)."""
-        received = [
-            Received(tensors=[self.pool.take(meta) for meta in metas], metas=metas)
-            for _, metas in messages
-        ]
+        buffers = [[self.pool.take(meta) for meta in metas] for _, metas in messages]
         self._wait(
             [
-                (peer, tensor)
-                for (peer, _), message in zip(messages, received, strict=True)
-                for tensor in message.tensors
+                (peer, buffer)
+                for (peer, _), message in zip(messages, buffers, strict=True)
+                for buffer in message
             ]
         )
-        return received
+        return [self._restore(b, metas) for b, (_, metas) in zip(buffers, messages, strict=True)]
+
+    def _restore(self, buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Received:
+        """The tensors as the sender had them: cast back from the wire dtype where needed."""
+        tensors, lent = [], []
+        for buffer, meta in zip(buffers, metas, strict=True):
+            if meta.wire is None:
+                tensors.append(buffer)
+                lent.append(buffer)
+            else:
+                tensors.append(buffer.to(meta.dtype))
+                self.pool.give(buffer)
+        return Received(tensors=tensors, metas=metas, lent=lent)
 
     def _wait(self, receives: list[tuple[int, torch.Tensor]]) -> None:
         if not receives:

@@ -68,11 +68,12 @@ class PipelineRunner:
             output=cuts.output,
             routes=cuts.routes[self.index],
             peers=[mesh.global_rank(pp=k) for k in range(plan.pp)],
-            exchange=Exchange(mesh.device),
+            exchange=Exchange(mesh.device, plan.compress_transfers),
             compute=recompute(self.index, program) if recompute else None,
         )
         self.module: nn.Module = self.stage.module
         self.tied = TiedGradients(cuts.shared_parameters(), mesh)
+        self._cuts = cuts
         self._state = cuts.local_state(self.index)
         self._description = _describe(cuts, plan)
         self._last_rank = mesh.global_rank(pp=plan.pp - 1)
@@ -80,6 +81,14 @@ class PipelineRunner:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
+
+    def items(self) -> list[str]:
+        """The names, in `module`, of the items this stage runs (each called as a module)."""
+        return [name for name in self.module._modules if name != "<common>"]
+
+    def reread_state(self) -> None:
+        """Name this stage's tensors anew after their modules got new ones (sharding)."""
+        self._state = self._cuts.local_state(self.index)
 
     def train(self, mode: bool) -> None:
         """Training or eval mode for the whole model: code between pieces runs here too."""

@@ -22,7 +22,7 @@ from torch import nn
 from meshsplit.batch import tensors
 from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
-from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
+from meshsplit.pipeline.p2p import Exchange, Received, Sending
 from meshsplit.pipeline.schedules import Action
 
 __all__: list[str] = []
@@ -199,7 +199,7 @@ class Stage:
             [(self.peers[dst], t) for (dst, _), t in zip(self.routes.sends, sent, strict=True)],
             key,
         )
-        buffers = [b for message in messages for b in message.tensors]
+        buffers = [b for message in messages for b in message.lent]
         if y is None:  # inference: nothing to keep for a backward
             step.sending.append(sending)
             if self.last:
@@ -224,7 +224,7 @@ class Stage:
         if flight.loss is not None:
             flight.loss.backward()
         wanted = [
-            (self.peers[dst], [TensorMeta.of(t) for t in tensors if t.requires_grad])
+            (self.peers[dst], [self.exchange.meta(t) for t in tensors if t.requires_grad])
             for (dst, _), tensors in zip(self.routes.sends, flight.sent, strict=True)
         ]
         grads = self.exchange.receive_like([(peer, metas) for peer, metas in wanted if metas])
@@ -232,8 +232,8 @@ class Stage:
         seeds = [g for message in grads for g in message.tensors]
         if roots:
             torch.autograd.backward(roots, seeds)
-        for seed in seeds:
-            self.exchange.pool.give(seed)
+        for buffer in (b for message in grads for b in message.lent):
+            self.exchange.pool.give(buffer)
         back = [
             (self.peers[src], [_grad_of(t) for t in tensors if t.requires_grad])
             for (src, _), tensors in zip(self.routes.receives, flight.received, strict=True)

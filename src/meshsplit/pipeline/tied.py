@@ -42,6 +42,11 @@ class TiedGradients:
             if group is not None:
                 self._mine.append((param, group))
 
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's copies of shared parameters (kept whole: their gradients meet)."""
+        return [param for param, _ in self._mine]
+
     def all_reduce(self) -> None:
         for param, group in self._mine:
             if param.grad is not None:

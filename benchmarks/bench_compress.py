@@ -1,0 +1,141 @@
+"""Activation compression and bf16 pipeline transfers: accuracy, bytes saved, step time.
+
+Part 1 (one worker): the MLP and the CNN train 5 epochs on digits (batch 64, Adam lr 1e-3,
+as `meshsplit train`) uncompressed and under each Plan.compress; prints the test accuracy
+beside the uncompressed one, the saved-activation bytes against uncompressed (the largest
+count of 'activations' in one step, from ms.estimate_memory's timeline), and the step time
+against uncompressed (rounds A B C D D C B A, median). Part 2 (two workers, pp=2): the same
+with Plan.compress_transfers='bf16': accuracy, p2p bytes sent per step, step time.
+
+    python benchmarks/bench_compress.py [--epochs 5] [--rounds 6] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import meshsplit as ms
+from meshsplit.memory.tracker import CATEGORIES
+from meshsplit.traffic import count_traffic
+
+from rounds import take_turns
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": ms.models.mlp, "cnn": ms.models.cnn}
+KINDS = ("none", "bf16", "int8", "fp8")
+BATCH = 64
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _engine(name: str, plan: ms.Plan) -> ms.Engine:
+    engine = ms.parallelize(_model(name), plan, optimizer=_adam, loss_fn=nn.CrossEntropyLoss())
+    engine.memory.track = False  # the tracker's own cost would blur the step times
+    return engine
+
+
+def _train_and_time(
+    name: str, plans: dict[str, ms.Plan], epochs: int, rounds: int, steps: int
+) -> dict[str, dict[str, float]]:
+    """Runs in every worker: test accuracy after `epochs`, median step time, p2p bytes/step."""
+    train, test = ms.data.digits("train"), ms.data.digits("test")
+    engines = {label: _engine(name, plan) for label, plan in plans.items()}
+    figures: dict[str, dict[str, float]] = {}
+    for label, engine in engines.items():
+        history = engine.fit(train, epochs=epochs, batch_size=BATCH, eval_data=test, show=False)
+        figures[label] = {"accuracy": history[-1]["test_accuracy"]}
+    batch = train[0][:BATCH].clone(), train[1][:BATCH].clone()  # a batch of its own storage
+    for label, engine in engines.items():
+        with count_traffic() as traffic:
+            engine.train_step(*batch)  # headers went with the first step: this one is steady
+        figures[label]["p2p_bytes"] = traffic.bytes["isend"]
+    runs = {label: (lambda e=engine: e.train_step(*batch)) for label, engine in engines.items()}
+    times = take_turns(runs, rounds, steps)
+    for label, values in times.items():
+        figures[label]["seconds"] = statistics.median(values)
+    for engine in engines.values():
+        engine.close()
+    dist.barrier()
+    return figures
+
+
+def _saved_bytes(name: str, kind: str) -> int:
+    """The largest count of saved-activation bytes in one step (one rank, this process)."""
+    train = ms.data.digits("train")
+    estimate = ms.estimate_memory(
+        _model(name),
+        ms.Plan(compress=kind),
+        (train[0][:BATCH].clone(), train[1][:BATCH].clone()),
+        optimizer=_adam,
+        loss_fn=nn.CrossEntropyLoss(),
+        timeline=True,
+    )
+    at = CATEGORIES.index("activations")
+    return max(sample.bytes_by_category[at] for sample in estimate.ranks[0].timeline)
+
+
+def compress_activations(epochs: int, rounds: int, steps: int) -> None:
+    print(f"{'model':6s} {'compress':8s} {'test acc':>8s} {'vs none':>8s} "
+          f"{'saved bytes':>12s} {'none/this':>9s} {'step/none':>9s}")  # fmt: skip
+    for name in MODELS:
+        plans = {kind: ms.Plan(compress=kind) for kind in KINDS}
+        saved = {kind: _saved_bytes(name, kind) for kind in KINDS}
+        (figures,) = ms.launch(_train_and_time, 1, args=(name, plans, epochs, rounds, steps))
+        base = figures["none"]
+        for kind in KINDS:
+            row = figures[kind]
+            print(
+                f"{name:6s} {kind:8s} {row['accuracy']:8.4f} "
+                f"{100 * (row['accuracy'] - base['accuracy']):+7.2f}p "
+                f"{saved[kind]:12d} {saved['none'] / saved[kind]:9.2f} "
+                f"{row['seconds'] / base['seconds']:9.2f}"
+            )
+
+
+def compress_transfers(epochs: int, rounds: int, steps: int) -> None:
+    print(f"\n{'model':6s} {'pp=2 transfers':14s} {'test acc':>8s} {'vs none':>8s} "
+          f"{'p2p bytes/step, rank 0,1':>25s} {'none/this':>9s} {'step/none':>9s}")  # fmt: skip
+    for name in MODELS:
+        plans = {
+            kind: ms.Plan(pp=2, micro_batches=2, compress_transfers=kind)
+            for kind in ("none", "bf16")
+        }
+        per_rank = ms.launch(_train_and_time, 2, args=(name, plans, epochs, rounds, steps))
+        for kind in plans:
+            row, base = per_rank[0][kind], per_rank[0]["none"]
+            sent = [per_rank[r][kind]["p2p_bytes"] for r in range(2)]
+            ratio = [per_rank[r]["none"]["p2p_bytes"] / sent[r] for r in range(2)]
+            print(
+                f"{name:6s} {kind:14s} {row['accuracy']:8.4f} "
+                f"{100 * (row['accuracy'] - base['accuracy']):+7.2f}p "
+                f"{sent[0]:>12d} {sent[1]:>12d} {ratio[0]:4.2f},{ratio[1]:4.2f} "
+                f"{row['seconds'] / base['seconds']:9.2f}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    compress_activations(args.epochs, args.rounds, args.steps)
+    compress_transfers(args.epochs, args.rounds, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""ZeRO stages 2 and 3 (FSDP2 over dp) equal one process under every axis they compose with,
+and each rank holds the paper's share of the model state.
+
+With Ψ parameter bytes and fp32 Adam (two moments: K = 2): stage 1 holds Ψ + Ψ + 2Ψ/dp,
+stage 2 Ψ + 3Ψ/dp plus (FSDP2 keeps each shard beside its gathered copy) Ψ/dp, stage 3
+4Ψ/dp. One launch of 4 workers runs every case: starting workers dominates the time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_hf_models import _batches, _build, _loss, _sgd, _single
+
+import meshsplit as ms
+
+from reference import OPTIMIZERS, assert_matches, batches, build, loss_for, train_single
+
+pytestmark = pytest.mark.timeout(900)
+
+WORKERS = 4
+EXACT = [
+    ("mlp", ms.Plan(dp=4, zero=2)),
+    ("cnn", ms.Plan(dp=4, zero=3)),
+    ("mlp", ms.Plan(dp=2, tp=2, zero=3)),
+    ("cnn", ms.Plan(dp=2, pp=2, micro_batches=2, zero=3)),
+    ("mlp", ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", checkpoint="always", zero=2)),
+]
+HF = [
+    ("gpt2", ms.Plan(dp=2, pp=2, micro_batches=2, zero=3)),  # tied embeddings across stages
+    ("llama", ms.Plan(dp=2, tp=2, zero=3)),
+    ("bert", ms.Plan(dp=4, zero=2)),
+]
+STAGES = [0, 1, 2, 3]
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _model_state(stage: int) -> dict[str, Any]:
+    """One Adam step of the reference MLP at dp=4 under `stage`: what the rank holds."""
+    engine = ms.parallelize(ms.models.mlp(), ms.Plan(dp=WORKERS, zero=stage), optimizer=_adam)
+    x, y = ms.data.synthetic_images(8)
+    engine.train_step(x, y)
+    engine.train_step(x, y)
+    report = engine.memory_report()
+    engine.close()
+    return {
+        "parameters": report.parameter_bytes,
+        "gradients": report.gradient_bytes,
+        "optimizer": report.optimizer_bytes,
+        "peak parameters": (report.tensor_breakdown or {})["parameters"],
+    }
+
+
+def _job() -> dict[str, Any]:
+    exact = []
+    for name, plan in EXACT:
+        engine = ms.parallelize(
+            build(name), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss_for(name)
+        )
+        losses = [engine.train_step(x, y) for x, y in batches(name, 16, 3)]
+        exact.append((losses, engine.full_state_dict()))
+        engine.close()
+    hf = []
+    for name, plan in HF:
+        engine = ms.parallelize(_build(name), plan, optimizer=_sgd, loss_fn=_loss(name))
+        losses = [engine.train_step(x, y) for x, y in _batches(name)]
+        hf.append((losses, engine.full_state_dict()))
+        engine.close()
+    return {
+        "exact": exact,
+        "hf": hf,
+        "state": [_model_state(s) for s in STAGES],
+        "refused": _refusal(),
+    }
+
+
+def _refusal() -> tuple[str, bool]:
+    """zero=3 on a model whose one block mixes dtypes: the error, and whether the model was
+    left unsharded."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].bias.data = model[1].bias.data.double()
+    try:
+        engine = ms.parallelize(model, ms.Plan(dp=WORKERS, zero=3), optimizer=OPTIMIZERS["sgd"])
+        engine.train_step(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    except ms.PlanError as error:
+        untouched = all(type(p) is torch.nn.Parameter for p in model.parameters())
+        return str(error), untouched
+    return "", False
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict[str, Any]]:
+    return ms.launch(_job, WORKERS, timeout_s=600)
+
+
+@pytest.mark.parametrize("index", range(len(EXACT)), ids=[p.describe() for _, p in EXACT])
+def test_zero_matches_one_process(per_rank: list[dict[str, Any]], index: int) -> None:
+    name, _ = EXACT[index]
+    assert_matches([rank["exact"][index] for rank in per_rank], train_single(name, "sgd"))
+
+
+@pytest.mark.parametrize("index", range(len(HF)), ids=[f"{m} {p.describe()}" for m, p in HF])
+def test_zero_matches_one_process_on_hugging_face_models(
+    per_rank: list[dict[str, Any]], index: int
+) -> None:
+    name, _ = HF[index]
+    want_losses, want_state = _single(name)
+    for rank in per_rank:
+        losses, state = rank["hf"][index]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5
+        )
+        assert state.keys() == want_state.keys()
+        for key, value in want_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_each_stage_holds_the_papers_share_of_model_state(per_rank: list[dict[str, Any]]) -> None:
+    psi = sum(p.numel() * 4 for p in ms.models.mlp().parameters())
+    dp = WORKERS
+    expected = {  # (parameters at the step's peak, gradients, optimizer) in units of Ψ
+        0: (1, 1, 2),
+        1: (1, 1, 2 / dp),
+        2: (1 + 1 / dp, 1 / dp, 2 / dp),
+    }
+    largest = max(sum(p.numel() * 4 for p in m.parameters()) for m in ms.models.mlp())
+    for stage in (0, 1, 2):
+        held = [rank["state"][stage] for rank in per_rank]
+        for what, share in zip(
+            ("peak parameters", "gradients", "optimizer"), expected[stage], strict=True
+        ):
+            if stage == 1 and what == "optimizer":
+                # ZeroRedundancyOptimizer deals out whole tensors: the ranks' shares add up
+                # to 2Ψ, but a rank holding the MLP's 784x1024 layer holds more than 2Ψ/dp
+                got, want = sum(h[what] for h in held), 2 * psi
+            else:
+                got, want = max(h[what] for h in held), share * psi
+            assert abs(got - want) <= 0.1 * want, f"zero={stage} {what}: {got} B, paper {want:.0f}"
+    for h in (
+        rank["state"][3] for rank in per_rank
+    ):  # stage 3: (2 + 2 + K)Ψ/dp with K = 2, 16 bytes per fp32 parameter over dp
+        total = h["parameters"] + h["gradients"] + h["optimizer"]
+        assert abs(total - 4 * psi / dp) <= 0.1 * 4 * psi / dp
+        # and, during the step, one block gathered whole at a time: at most the largest
+        assert h["peak parameters"] <= 1.1 * (psi / dp + largest)
+
+
+def test_zero_3_refuses_a_block_it_cannot_gather_and_leaves_the_model_whole(
+    per_rank: list[dict[str, Any]],
+) -> None:
+    message, untouched = per_rank[0]["refused"]
+    assert "Plan.zero=3" in message and "'1'" in message
+    assert "torch.float32, torch.float64" in message and "zero=1" in message
+    assert untouched
