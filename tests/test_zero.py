@@ -128,7 +128,9 @@ def test_each_stage_holds_the_papers_share_of_model_state(per_rank: list[dict[st
         1: (1, 1, 2 / dp),
         2: (1 + 1 / dp, 1 / dp, 2 / dp),
     }
-    largest = max(sum(p.numel() * 4 for p in m.parameters()) for m in ms.models.mlp())
+    layers = [sum(p.numel() * 4 for p in m.parameters()) for m in ms.models.mlp()]
+    largest = max(layers)
+    small = sum(b for b in layers if b * 2 * sum(1 for n in layers if n) < psi)
     for stage in (0, 1, 2):
         held = [rank["state"][stage] for rank in per_rank]
         for what, share in zip(
@@ -146,8 +148,9 @@ def test_each_stage_holds_the_papers_share_of_model_state(per_rank: list[dict[st
     ):  # stage 3: (2 + 2 + K)Ψ/dp with K = 2, 16 bytes per fp32 parameter over dp
         total = h["parameters"] + h["gradients"] + h["optimizer"]
         assert abs(total - 4 * psi / dp) <= 0.1 * 4 * psi / dp
-        # and, during the step, one block gathered whole at a time: at most the largest
-        assert h["peak parameters"] <= 1.1 * (psi / dp + largest)
+        # and, during the step, one block gathered whole at a time (at most the largest),
+        # beside the layers too small to gather alone, which ride with the root (fc3, fc4)
+        assert h["peak parameters"] <= 1.1 * (psi / dp + largest + small)
 
 
 def test_zero_3_refuses_a_block_it_cannot_gather_and_leaves_the_model_whole(

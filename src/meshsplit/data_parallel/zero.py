@@ -71,8 +71,8 @@ def shard_state(
     reshard = stage == 3
     kept_whole = {id(p) for p in keep_whole}
     wrapped = _exclusive(module, units, kept_whole)
-    if root_runs:
-        wrapped.append("")
+    if root_runs:  # small units ride with the root: a gather each costs more than it saves
+        wrapped = [*_large(module, wrapped), ""]
     taken: set[int] = set()
     for name in wrapped:  # all checked before any is sharded: a refusal leaves the model as it was
         unit = [p for p in module.get_submodule(name).parameters() if id(p) not in taken]
@@ -106,6 +106,13 @@ def _check_gatherable(params: list[nn.Parameter], name: str, stage: int) -> None
             "parameters, which cannot be gathered; materialize them as dense tensors, or use "
             "zero=1 or zero=0"
         )
+
+
+def _large(module: nn.Module, units: list[str]) -> list[str]:
+    """The units holding at least 1/(2n) of the parameters of all n units."""
+    sizes = {u: sum(p.numel() for p in module.get_submodule(u).parameters()) for u in units}
+    total = sum(sizes.values())
+    return [u for u in units if sizes[u] * 2 * len(units) >= total]
 
 
 def _exclusive(module: nn.Module, units: list[str], whole: set[int]) -> list[str]:

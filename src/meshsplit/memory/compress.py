@@ -13,8 +13,9 @@ the last dim (the features a Linear reads). Kept as they are: weights (a paramet
 module buffer's storage, or a leaf that needs a gradient: the tensors someone else holds
 anyway), non-floating tensors (indices, masks: backward needs them exactly), small ones
 (< MIN_NUMEL elements) and views that do not cover their storage (packing them would copy
-what stays alive). Two saves of one storage (a ReLU's output is the next Linear's input)
-share one packed copy; a view of a packed storage is cut from it when unpacked.
+what stays alive); a permuted view that covers it (attention's heads) packs in storage
+order. Two saves of one storage (a ReLU's output is the next Linear's input) share one
+packed copy; a view of a packed storage is cut from it when unpacked.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Packer:
         if packed is None:
             if not self._worth_packing(tensor, storage):
                 return self._keep(tensor)
-            packed = pack(tensor, self.kind)
+            packed = pack(_in_storage_order(tensor), self.kind)
             self._packed[key] = (weakref.ref(storage), weakref.ref(packed))
             self.decisions["packed"] += 1
             count_saved(packed.codes)
@@ -142,7 +143,7 @@ class Packer:
             and id(storage) not in self.weights
             and not isinstance(base, nn.Parameter)
             and not (base.is_leaf and base.requires_grad)
-            and tensor.is_contiguous()
+            and _in_storage_order(tensor).is_contiguous()
             and tensor.storage_offset() == 0
             and tensor.numel() * tensor.element_size() == storage.nbytes()
         )
@@ -153,6 +154,13 @@ class Packer:
             return saved
         whole = saved.packed.unpack()
         return whole.as_strided(saved.shape, saved.stride, saved.offset)
+
+
+def _in_storage_order(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with its dims permuted by stride, largest first: contiguous when it is a
+    transpose of a dense storage (attention's per-head views), so it packs in storage order."""
+    order = sorted(range(tensor.dim()), key=lambda d: tensor.stride(d), reverse=True)
+    return tensor.permute(order)
 
 
 def _plain(tensor: torch.Tensor) -> bool:
