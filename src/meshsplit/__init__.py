@@ -3,6 +3,7 @@
 from meshsplit import data, models, tensor, timeline
 from meshsplit.checkpoint import CheckpointError, load_full_state_dict
 from meshsplit.engine import Engine, parallelize
+from meshsplit.faults import InputError, NonFiniteError, TrainingStopped
 from meshsplit.launch import WorkerError, launch
 from meshsplit.memory.estimate import MemoryEstimate, RankEstimate
 from meshsplit.memory.report import MemoryReport
@@ -14,14 +15,17 @@ from meshsplit.simulate import estimate_memory
 __all__ = [
     "CheckpointError",
     "Engine",
+    "InputError",
     "MemoryBudgetError",
     "MemoryEstimate",
     "MemoryReport",
+    "NonFiniteError",
     "Plan",
     "PlanError",
     "PlanReport",
     "PlanRow",
     "RankEstimate",
+    "TrainingStopped",
     "WorkerError",
     "choose_plan",
     "data",

@@ -97,6 +97,13 @@ def commit_batchnorm(model: nn.Module) -> None:
             module.commit()
 
 
+def discard_batchnorm(model: nn.Module) -> None:
+    """Forget the statistics accumulated this step (a step dropped as non-finite)."""
+    for module in model.modules():
+        if isinstance(module, BatchNorm):
+            module.discard()
+
+
 def describe_batchnorm(layers: list[str], dp: int, micro_batches: int) -> dict[str, Any]:
     """The converted `layers` and, in one sentence per axis, their rule ({} if none)."""
     if not layers:
@@ -238,6 +245,10 @@ class BatchNorm(_BatchNorm):
         unbiased = self.pending_m2 / (self.pending_count - 1)
         mean.mul_(1 - factor).add_(self.pending_mean, alpha=factor)
         var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        self.discard()
+
+    @torch.no_grad()
+    def discard(self) -> None:
         for buffer in (self.pending_count, self.pending_mean, self.pending_m2):
             buffer.zero_()
 

@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/] {error}", highlight=False)
         return 2
     except WorkerError as error:
+        if error.error_type == "TrainingStopped":  # preempted: saved, and says how to resume
+            console.print(f"[yellow]stopped:[/] {error.message}", highlight=False)
+            return 143
         if error.error_type in USER_ERRORS:
             console.print(f"[red]error:[/] {error.message}", highlight=False)
             return 2

@@ -8,8 +8,9 @@ micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +20,14 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, lazy_model, tensor, training
+from meshsplit import checkpoint, faults, lazy_model, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import (
     batchnorm_state,
     commit_batchnorm,
     convert_batchnorm,
     describe_batchnorm,
+    discard_batchnorm,
 )
 from meshsplit.data_parallel import (
     GradientSync,
@@ -139,6 +141,8 @@ class Engine:
         self._pending_load: Path | None = None
         self._offload: offload.Offload | None = None
         self._closed = False
+        self.skipped_steps = 0
+        """Steps whose update was dropped for a non-finite loss or gradient (nonfinite='skip')."""
         self.memory = RankMemory(plan, mesh)
         """This rank's budget and the live-tensor count of each step (see rank_memory.py)."""
 
@@ -279,25 +283,66 @@ class Engine:
             with (
                 compress.packing(self.plan.compress, parts.runner.module),
                 offload.saved_on_host(self.plan),
+                self._naming_bad_input(inputs),
             ):
                 loss = parts.runner.train_batch(x, y, global_rows)
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
+            finite = self._finite(loss, parts)
+            if finite:
                 commit_batchnorm(parts.runner.module)
-            with phase("optimizer step"):
-                parts.optimizer.step()
-                parts.sync.zero_grad()
+                with phase("optimizer step"):
+                    parts.optimizer.step()
+            else:
+                discard_batchnorm(parts.runner.module)
+                self.skipped_steps += 1
+            parts.sync.zero_grad()
         self.steps += 1
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
+
+    def _where(self) -> str:
+        mesh = self.mesh
+        return (
+            f"rank {dist.get_rank()} (dp {mesh.rank('dp')}, pp stage {mesh.rank('pp')}, "
+            f"tp {mesh.rank('tp')})"
+        )
+
+    @contextlib.contextmanager
+    def _naming_bad_input(self, inputs: Any) -> Iterator[None]:
+        """An error a layer raises on this batch becomes an InputError naming the layer."""
+        try:
+            yield
+        except Exception as error:
+            named = {"loss_fn": self.loss_fn} if isinstance(self.loss_fn, nn.Module) else {}
+            explained = faults.explain_input_error(
+                error, self._built().runner.module, inputs, self._where(), named
+            )
+            if explained is None:
+                raise
+            raise explained from error
+
+    def _finite(self, loss: torch.Tensor, parts: _Parts) -> bool:
+        """Plan.nonfinite's check of this step's loss and gradients (see faults.py)."""
+        if self.plan.nonfinite == "off":
+            return True
+        return faults.check_finite(
+            loss,
+            parts.sync.gradient_tensors(),
+            parts.runner.module.named_parameters(),
+            mode=self.plan.nonfinite,
+            step=self.steps + 1,
+            where=self._where(),
+        )
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
         runner = self._built(inputs).runner
         runner.train(False)
-        output = runner.forward(self._replica_rows(inputs))
+        with self._naming_bad_input(inputs):
+            output = runner.forward(self._replica_rows(inputs))
         if self.plan.dp == 1:
             return output
         replica_rows = [rows(part) for part in split_rows(inputs, self.plan.dp)]

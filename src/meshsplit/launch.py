@@ -14,12 +14,15 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing import connection, get_context
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -31,6 +34,7 @@ DEFAULT_TIMEOUT_S = 120.0
 """Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
 _GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class WorkerError(RuntimeError):
@@ -104,11 +108,39 @@ def launch(
         try:
             for process in processes:
                 process.start()
-            _watch(processes, workdir)
+            with _forwarding_stop_signals(processes):
+                _watch(processes, workdir)
             return [_load_result(workdir, rank) for rank in range(nprocs)]
         finally:
             _stop(processes)
             del store
+
+
+@contextmanager
+def _forwarding_stop_signals(processes: list[Any]) -> Iterator[None]:
+    """SIGTERM or SIGINT to this process (preemption, Ctrl-C) goes to every worker as SIGTERM:
+    `Engine.fit` stops them at the next step boundary and saves; a second one stops the
+    job at once. The workers have process groups of their own, so a terminal's Ctrl-C
+    reaches them only through here, once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    asked: list[int] = []
+
+    def forward(number: int, frame: FrameType | None) -> None:
+        if asked:
+            raise KeyboardInterrupt(f"{signal.Signals(number).name} again: stopping at once")
+        asked.append(number)
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    previous = {number: signal.signal(number, forward) for number in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _watch(processes: list[Any], workdir: Path) -> None:
@@ -190,6 +222,7 @@ def _local_worker(
     kwargs: dict[str, Any],
 ) -> None:
     _die_with_parent()
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     torch.set_num_threads(threads_per_worker(world_size))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     try:

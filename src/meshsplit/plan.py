@@ -15,6 +15,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 TRANSFER_COMPRESSIONS = ("none", "bf16")
 OFFLOADS = ("none", "optimizer", "activations")
+NONFINITE = ("raise", "skip", "off")
 UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -83,6 +84,10 @@ class Plan:
     against the estimate before the first step and enforced while training."""
     reserve_memory: bool = False
     """GPU: make the caching allocator hold the rank's estimated peak before step 1."""
+    nonfinite: str = "raise"
+    """A NaN or infinite loss or gradient: 'raise' stops every rank with NonFiniteError
+    naming the step, ranks and first parameter; 'skip' drops that update on every rank
+    alike; 'off' does not check (one small all-reduce a step less)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches"):
@@ -126,7 +131,7 @@ class Plan:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
 
     def _check_memory_options(self) -> None:
-        """zero as a stage number (True is 1); the memory options from their lists."""
+        """zero as a stage number (True is 1); the other options from their lists."""
         zero = self.zero
         if isinstance(zero, bool):
             object.__setattr__(self, "zero", int(zero))
@@ -139,6 +144,7 @@ class Plan:
             ("compress", COMPRESSIONS),
             ("compress_transfers", TRANSFER_COMPRESSIONS),
             ("offload", OFFLOADS),
+            ("nonfinite", NONFINITE),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -233,6 +239,7 @@ class Plan:
             "offload": self.offload,
             "memory_budget": self.memory_budget,
             "reserve_memory": self.reserve_memory,
+            "nonfinite": self.nonfinite,
         }
 
 

@@ -129,8 +129,10 @@ def _simulate(
         with fake_group(rank, plan.world_size):
             # a factory builds each simulated rank's part afresh; a model is copied whole
             source = copy.deepcopy(model) if isinstance(model, nn.Module) else model
+            # received buffers hold whatever memory held (no peer sends): values mean nothing
+            counted = replace(plan, nonfinite="off")
             with counting_only():
-                engine = parallelize(source, plan, optimizer=optimizer, loss_fn=loss_fn)
+                engine = parallelize(source, counted, optimizer=optimizer, loss_fn=loss_fn)
             engine.prepare(inputs)
             runner = engine.runner
             if isinstance(runner, PipelineRunner):

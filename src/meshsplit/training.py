@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from rich.console import Console
@@ -13,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from meshsplit.batch import rows, take_rows
+from meshsplit.faults import StopRequest, TrainingStopped
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan
 
@@ -60,16 +62,19 @@ def fit(
     show = show and engine.mesh.is_first_rank
     console = Console()
     history: list[dict[str, float]] = []
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-        disable=not show,
-        transient=True,
-    ) as progress:
+    with (
+        Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            disable=not show,
+            transient=True,
+        ) as progress,
+        StopRequest() as stop,
+    ):
         total = max(0, (epochs - done_epochs) * batches - done_batches)
         task = progress.add_task("train", total=total, status="")
         for epoch in range(done_epochs + 1, epochs + 1):
@@ -85,6 +90,9 @@ def fit(
                 )
                 engine.data_position = {"epoch": epoch - 1, "batch": index + 1}
                 progress.update(task, advance=1, status=f"epoch {epoch} loss {losses[-1]:.4f}")
+                asked = stop.agreed(engine.mesh.device)
+                if asked is not None:
+                    _stop(engine, asked, checkpoint_dir)
             engine.data_position = {"epoch": epoch, "batch": 0}
             elapsed = time.perf_counter() - started
             row = {
@@ -105,6 +113,24 @@ def fit(
     if show and history:
         console.print(epoch_table(history))
     return history
+
+
+def _stop(
+    engine: Engine, asked: signal.Signals, checkpoint_dir: str | os.PathLike[str] | None
+) -> NoReturn:
+    """Save where the loop stands (mid-epoch: a resumed run continues with the next batch)."""
+    position = engine.data_position
+    where = f"{asked.name} after epoch {position['epoch']} + {position['batch']} batches"
+    if checkpoint_dir is None:
+        raise TrainingStopped(
+            f"training stopped by {where}; nothing was saved: pass checkpoint_dir to fit "
+            "(--checkpoint-dir) to keep the work done"
+        )
+    path = engine.save(checkpoint_dir)
+    raise TrainingStopped(
+        f"training stopped by {where}; saved {path}; run again with engine.load("
+        f"{str(checkpoint_dir)!r}) before fit (meshsplit train --resume) to continue"
+    )
 
 
 def _epoch_line(row: dict[str, float], epochs: int) -> str:

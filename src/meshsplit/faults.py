@@ -1,0 +1,219 @@
+"""Faults found while training, turned into one clear error on every rank.
+
+Non-finite guard (`Plan.nonfinite`): after the gradients are synchronised and before the
+optimizer steps, each rank checks its loss and its gradients (the float32 sum of each
+gradient bucket or shard: a NaN or infinity anywhere makes it non-finite, and no temporary
+as large as the gradients is made; a sum past float32's 3.4e38 counts too); one all-reduce
+over the world tells every rank whether any rank saw one, so all ranks take the same
+branch: under 'raise' each raises the same `NonFiniteError` (the step, the ranks, and on
+each the first parameter whose gradient went non-finite); under 'skip' every rank drops the
+update alike. The parameters are untouched either way: the check runs before the step.
+
+Stop requests (`StopRequest`, used by `Engine.fit`): SIGTERM or SIGINT (preemption, Ctrl-C)
+asks the loop to stop at the next step boundary; one all-reduce a step tells every rank
+whether any was asked, so all stop after the same step, save and raise `TrainingStopped`.
+The first signal puts the default handlers back, so a second one ends the process at once,
+even inside a collective, before it can touch the last complete checkpoint.
+
+Bad input (`explain_input_error`): an exception raised inside the model's forward is traced
+back to the innermost module whose `forward` was running; the error is re-raised as an
+`InputError` naming that module (its path in this rank's part of the model), what its
+weight expects and the shape it received, with the rank, stage and tp index.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterable
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["InputError", "NonFiniteError", "TrainingStopped"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss or gradient went NaN or infinite; the parameters are those before the step."""
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped on request (SIGTERM, SIGINT) at a step boundary, after saving."""
+
+
+class StopRequest:
+    """While active (main thread only), SIGTERM and SIGINT ask to stop at a step boundary."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        """The signal that asked this process to stop (None: none did)."""
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for number in STOP_SIGNALS:
+                self._previous[number] = signal.signal(number, self._asked)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _asked(self, number: int, frame: FrameType | None) -> None:
+        self.signal = signal.Signals(number)
+        for other in STOP_SIGNALS:  # a second signal: the default action, at once
+            signal.signal(other, signal.SIG_DFL)
+        self._previous = {}
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def agreed(self, device: torch.device) -> signal.Signals | None:
+        """The signal any rank was asked to stop by, or None (a world collective)."""
+        flag = torch.tensor([0 if self.signal is None else int(self.signal)], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag)) if int(flag) else None
+
+
+class InputError(ValueError):
+    """A batch a layer cannot take (wrong shape, dtype or class range)."""
+
+
+def nonfinite_parameter(named: Iterable[tuple[str, nn.Parameter]]) -> str | None:
+    """The name of the first parameter whose gradient holds a NaN or an infinity."""
+    for name, param in named:
+        grad = param.grad
+        if grad is not None and not bool(torch.isfinite(_local(grad)).all()):
+            return name
+    return None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def check_finite(
+    loss: torch.Tensor,
+    gradients: list[torch.Tensor],
+    named: Iterable[tuple[str, nn.Parameter]],
+    *,
+    mode: str,
+    step: int,
+    where: str,
+) -> bool:
+    """Whether every rank's loss and gradients are finite (a world collective: every rank
+    calls). Under mode 'raise' a non-finite one raises NonFiniteError on every rank."""
+    sums = [loss.detach().sum(dtype=torch.float32)]
+    sums += [_local(g).sum(dtype=torch.float32) for g in gradients]
+    bad = not bool(torch.stack(sums).isfinite().all())
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=loss.device)
+    flags[dist.get_rank()] = int(bad)
+    dist.all_reduce(flags)
+    if not bool(flags.any()):
+        return True
+    if mode == "skip":
+        return False
+    mine = ""
+    if bad:
+        first = nonfinite_parameter(named)
+        loss_text = "finite" if bool(torch.isfinite(loss.detach()).all()) else str(loss.item())
+        mine = f"{where}: loss {loss_text}" + (
+            f", first non-finite gradient: {first}" if first else ", gradients finite"
+        )
+    reports: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    raise NonFiniteError(
+        f"step {step}: a NaN or infinity on rank(s) {ranks} (gradients synchronised over "
+        "dp carry one replica's to all): "
+        + "; ".join(str(reports[r]) for r in ranks)
+        + ". The parameters are those before this step. Lower the learning rate, clip "
+        "gradients or check the batch; Plan(nonfinite='skip') drops such steps instead"
+    )
+
+
+def explain_input_error(
+    error: BaseException,
+    model: nn.Module,
+    inputs: Any,
+    where: str,
+    others: dict[str, nn.Module] | None = None,
+) -> InputError | None:
+    """An InputError naming the layer (of `model`, or one of `others` such as the loss)
+    `error` was raised in, or None if it came from elsewhere: a collective, an error of our
+    own, a module that holds other modules (then the original error stands)."""
+    if isinstance(error, (InputError, dist.DistError)) or not isinstance(
+        error, (RuntimeError, ValueError, IndexError, TypeError)
+    ):
+        return None
+    module, received = _innermost_module(error.__traceback__)
+    if module is None or next(module.children(), None) is not None:
+        return None
+    names = {id(m): name for name, m in model.named_modules()}
+    names |= {id(m): name for name, m in (others or {}).items()}
+    name = names.get(id(module))
+    if name is None:
+        return None
+    expects = _expectation(module)
+    got = _describe(received)
+    sent = _describe(inputs)
+    return InputError(
+        f"{where}: layer {name or '(the model)'!r} ({type(module).__name__}"
+        f"{', ' + expects if expects else ''}) received {got} and failed: {error}. "
+        f"The global batch was {sent}; check its shape, dtype and class range "
+        "against the model"
+    )
+
+
+def _innermost_module(
+    trace: TracebackType | None,
+) -> tuple[nn.Module | None, Any]:
+    """The module whose forward the exception left last, and that forward's first input."""
+    found: tuple[nn.Module | None, Any] = (None, None)
+    while trace is not None:
+        frame = trace.tb_frame
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and frame.f_code.co_name == "forward":
+            args = [frame.f_locals[n] for n in frame.f_code.co_varnames[1:2] if n in frame.f_locals]
+            found = (owner, args[0] if args else None)
+        trace = trace.tb_next
+    return found
+
+
+def _expectation(module: nn.Module) -> str:
+    """What a layer's weights say it takes, in words ('' when they say nothing)."""
+    for attribute, words in (
+        ("in_features", "expects {} input features (the last dim)"),
+        ("in_channels", "expects {} input channels (dim 1)"),
+        ("num_embeddings", "expects indices below {}"),
+        ("normalized_shape", "expects trailing dims {}"),
+        ("num_features", "expects {} features (dim 1)"),
+    ):
+        value = getattr(module, attribute, None)
+        if value is not None:
+            return words.format(tuple(value) if isinstance(value, (list, tuple)) else value)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return ""
+    if weight.dim() == 2 and type(module).__name__.endswith("Linear"):  # a split Linear
+        shard = tuple(weight.shape)
+        return f"expects {shard[1]} input features (the last dim; weight shard {shard})"
+    return f"weight {tuple(weight.shape)}"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__

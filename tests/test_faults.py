@@ -1,0 +1,116 @@
+"""Bad batches and non-finite steps end in one clear error naming the layer, rank and step.
+
+One launch of 2 workers runs the cases every rank meets alike (dp and tp see the same bad
+batch; a NaN is learnt by every rank through the guard's all-reduce); a pipeline whose last
+stage alone fails is its own launch, since its peer is left waiting and the job must end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import meshsplit as ms
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _message(engine: ms.Engine, x: torch.Tensor, y: torch.Tensor) -> tuple[str, str]:
+    try:
+        engine.train_step(x, y)
+    except Exception as error:  # noqa: BLE001 - the test reads which error and what it says
+        return type(error).__name__, str(error)
+    return "", ""
+
+
+def _state(engine: ms.Engine) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in engine.runner.module.state_dict().items()}
+
+
+def _cases() -> dict[str, Any]:
+    torch.manual_seed(0)
+    x, y = ms.data.synthetic_images(8)
+    wide = torch.randn(8, 785)
+    results: dict[str, Any] = {}
+    for plan in (ms.Plan(dp=2), ms.Plan(tp=2)):
+        engine = ms.parallelize(ms.models.mlp(), plan, optimizer=_sgd)
+        engine.train_step(x, y)
+        results[f"wide {plan.describe()}"] = _message(engine, wide, y)
+    bad = x.clone()
+    bad[3] = float("nan")
+    for mode in ("raise", "skip"):
+        engine = ms.parallelize(ms.models.mlp(), ms.Plan(dp=2, nonfinite=mode), optimizer=_sgd)
+        engine.train_step(x, y)
+        before = _state(engine)
+        results[f"nan {mode}"] = _message(engine, bad, y)
+        after = _state(engine)
+        results[f"nan {mode} untouched"] = all(torch.equal(before[k], after[k]) for k in before)
+        results[f"nan {mode} skipped"] = engine.skipped_steps
+        results[f"nan {mode} then"] = _message(engine, x, y)  # a good batch trains again
+        results[f"nan {mode} trains"] = not all(
+            torch.equal(before[k], v) for k, v in _state(engine).items()
+        )
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict[str, Any]]:
+    return ms.launch(_cases, 2, timeout_s=240)
+
+
+@pytest.mark.parametrize("plan", ["dp2 pp1 tp1", "dp1 pp1 tp2"])
+def test_a_batch_too_wide_names_the_layer_and_both_shapes(
+    per_rank: list[dict[str, Any]], plan: str
+) -> None:
+    for rank, results in enumerate(per_rank):
+        kind, message = results[f"wide {plan}"]
+        assert kind == "InputError", message
+        assert f"rank {rank}" in message and "'fc1'" in message, message
+        assert "784 input features" in message and "(8, 785)" in message, message
+
+
+def test_a_nan_stops_every_rank_naming_step_rank_and_parameter(
+    per_rank: list[dict[str, Any]],
+) -> None:
+    for results in per_rank:
+        kind, message = results["nan raise"]
+        assert kind == "NonFiniteError", message
+        assert "step 2" in message and "rank(s) [0, 1]" in message, message
+        assert "rank 0 (dp 0, pp stage 0, tp 0): loss nan" in message, message
+        assert "rank 1 (dp 1, pp stage 0, tp 0): loss finite" in message, message
+        assert "fc1.weight" in message and "nonfinite='skip'" in message, message
+        assert results["nan raise untouched"]
+
+
+def test_skip_drops_the_update_on_every_rank_and_training_goes_on(
+    per_rank: list[dict[str, Any]],
+) -> None:
+    for results in per_rank:
+        assert results["nan skip"] == ("", "")
+        assert results["nan skip untouched"] and results["nan skip skipped"] == 1
+        assert results["nan skip then"] == ("", "") and results["nan skip trains"]
+
+
+def _pipeline_with_bad_targets() -> None:
+    torch.manual_seed(0)
+    x, y = ms.data.synthetic_images(8)
+    engine = ms.parallelize(ms.models.mlp(), ms.Plan(pp=2, micro_batches=2), optimizer=_sgd)
+    engine.train_step(x, y)
+    engine.train_step(x, torch.full_like(y, 12))  # ten classes
+
+
+def test_targets_out_of_range_in_the_last_stage_end_the_job_within_seconds() -> None:
+    started = time.monotonic()
+    with pytest.raises(ms.WorkerError) as raised:
+        ms.launch(_pipeline_with_bad_targets, 2, timeout_s=120)
+    assert time.monotonic() - started < 30
+    message = str(raised.value)
+    assert "worker rank 1" in message and "InputError" in message, message
+    assert "pp stage 1" in message and "'loss_fn'" in message and "12" in message, message
