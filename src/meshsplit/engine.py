@@ -380,8 +380,11 @@ class Engine:
         """Train up to `epochs` epochs over shuffled global batches; one metrics row per epoch.
 
         Continues from `data_position` (set by `load`); with `checkpoint_dir`, saves after
-        every epoch.
+        every epoch, and a generation torchrun restarted (--max-restarts) first loads the
+        latest complete checkpoint there, so it goes on where the last one saved.
         """
+        if checkpoint_dir is not None and self.steps == 0 and training.restarted(checkpoint_dir):
+            self.load(checkpoint_dir)
         return training.fit(
             self,
             dataset,

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from meshsplit.batch import rows, take_rows
+from meshsplit.checkpoint import LATEST
 from meshsplit.faults import StopRequest, TrainingStopped
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan
@@ -113,6 +114,12 @@ def fit(
     if show and history:
         console.print(epoch_table(history))
     return history
+
+
+def restarted(checkpoint_dir: str | os.PathLike[str]) -> bool:
+    """Whether this process is a generation torchrun restarted and a checkpoint is there."""
+    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return generation > 0 and (Path(checkpoint_dir) / LATEST).exists()
 
 
 def _stop(
