@@ -114,3 +114,37 @@ def test_targets_out_of_range_in_the_last_stage_end_the_job_within_seconds() -> 
     message = str(raised.value)
     assert "worker rank 1" in message and "InputError" in message, message
     assert "pp stage 1" in message and "'loss_fn'" in message and "12" in message, message
+
+
+def _one_rank_stalls() -> None:
+    """Rank 1 is alive but busy in its loss for longer than the process group's timeout."""
+    torch.manual_seed(0)
+    x, y = ms.data.synthetic_images(8)
+
+    def slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1 and engine.steps == 1:
+            time.sleep(12)
+        return torch.nn.functional.cross_entropy(output, target)
+
+    engine = ms.parallelize(ms.models.mlp(), ms.Plan(dp=2), optimizer=_sgd, loss_fn=slow_loss)
+    for _ in range(3):
+        engine.train_step(x, y)
+
+
+def test_a_stalled_rank_is_warned_about_then_named_when_the_wait_times_out(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MESHSPLIT_STALL_WARN_S", "2")
+    started = time.monotonic()
+    with pytest.raises(ms.WorkerError) as raised:
+        ms.launch(_one_rank_stalls, 2, timeout_s=5)
+    assert time.monotonic() - started < 30
+    error = raised.value
+    assert error.rank == 0 and error.error_type == "CollectiveTimeout", error
+    message = error.message
+    assert "rank 0 (dp 0, pp stage 0, tp 0) has waited" in message, message
+    assert "all-reduce wait" in message and "at step 2" in message, message
+    assert "held up by rank(s) [1]" in message, message
+    assert "rank 1: step 2, forward, micro-batch 0, not waiting for anyone" in message, message
+    warning = capfd.readouterr().err
+    assert "meshsplit watchdog: rank 0 (dp 0, pp stage 0, tp 0) has waited" in warning

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, faults, lazy_model, tensor, training
+from meshsplit import checkpoint, faults, lazy_model, phases, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import (
     batchnorm_state,
@@ -37,6 +37,7 @@ from meshsplit.data_parallel import (
     shard_optimizer,
     shard_state,
 )
+from meshsplit.launch import job_store
 from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import compress, offload, pools, reclaim, recompute
 from meshsplit.memory.report import (
@@ -141,6 +142,7 @@ class Engine:
         self._pending_load: Path | None = None
         self._offload: offload.Offload | None = None
         self._closed = False
+        self._watchdog = self._start_watchdog()
         self.skipped_steps = 0
         """Steps whose update was dropped for a non-finite loss or gradient (nonfinite='skip')."""
         self.memory = RankMemory(plan, mesh)
@@ -278,7 +280,10 @@ class Engine:
         parts = self._built(inputs)
         parts.runner.train(True)
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
-        with self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1):
+        with (
+            self._naming_timeouts(),
+            self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1),
+        ):
             parts.sync.begin_step(parts.runner.backward_passes())
             with (
                 compress.packing(self.plan.compress, parts.runner.module),
@@ -308,6 +313,30 @@ class Engine:
             f"rank {dist.get_rank()} (dp {mesh.rank('dp')}, pp stage {mesh.rank('pp')}, "
             f"tp {mesh.rank('tp')})"
         )
+
+    def _start_watchdog(self) -> faults.Watchdog | None:
+        """A watchdog for this rank's waits, in a job of several ranks that ms.launch runs."""
+        store = job_store()
+        if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        return faults.Watchdog(
+            store,
+            self._where(),
+            lambda: {"step": self.steps + 1, "phase": phases.current()},
+            warn_s=faults.stall_warning_s(),
+        )
+
+    @contextlib.contextmanager
+    def _naming_timeouts(self) -> Iterator[None]:
+        """A wait the process group's timeout ended becomes a CollectiveTimeout that says
+        what this rank waited for and where the others were (see faults.Watchdog)."""
+        try:
+            yield
+        except RuntimeError as error:
+            explained = faults.explain_collective_error(error, self._watchdog)
+            if explained is None:
+                raise
+            raise explained from error
 
     @contextlib.contextmanager
     def _naming_bad_input(self, inputs: Any) -> Iterator[None]:
@@ -473,6 +502,9 @@ class Engine:
         staging buffers of a tp group that is the whole world, shared by every engine) stay
         for the caller; the engine then refuses to train."""
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
         if self._parts is None:
             return
         parts = self._parts

@@ -48,6 +48,15 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker rank {rank} failed: {error_type}: {message}\n{traceback_text}")
 
 
+_job_store: list[dist.Store] = []
+"""This worker's key-value store of the job (a watchdog posts where each rank is)."""
+
+
+def job_store() -> dist.Store | None:
+    """The job's store, in a worker that ms.launch started or joined; else None."""
+    return _job_store[-1] if _job_store else None
+
+
 def in_torchrun() -> bool:
     """True inside a worker started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -230,6 +239,7 @@ def _local_worker(
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        _job_store.append(dist.PrefixStore("meshsplit/job", store))
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("meshsplit", store),
@@ -287,6 +297,7 @@ def _join_torchrun(
     # A restarted worker must not meet the keys its previous incarnation left in the store.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefixed = dist.PrefixStore(f"meshsplit/restart{restart}", store)
+    _job_store.append(dist.PrefixStore(f"meshsplit/job{restart}", store))
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )

@@ -11,6 +11,7 @@ listening a phase costs a few list operations.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class Clock(Protocol):
 
 
 _stack: list[str] = []
+_waits: list[tuple[str, Callable[[], dict[str, Any]] | None, float]] = []
+"""The waits for other ranks running now: (name, details, monotonic start), innermost last."""
+_broken: list[tuple[str, Callable[[], dict[str, Any]] | None, float]] = []
+"""The last wait an error escaped from (a timeout, a peer gone)."""
 _listeners: list[Callable[[str], None]] = []
 _clocks: list[Clock] = []
 _failed: list[str] = []
@@ -75,10 +80,39 @@ def waiting(name: str, details: Callable[[], dict[str, Any]] | None = None) -> I
     """Mark the body as a wait for other ranks; clocks hear it with `details()` as its args
     (called only when a clock listens). The current phase stays the enclosing one."""
     start = _clocks[-1].now() if _clocks else None
-    yield
+    _waits.append((name, details, time.monotonic()))
+    try:
+        yield
+    except BaseException:
+        _broken[:] = [(f"{name} ({current()})", details, _waits[-1][2])]
+        raise
+    finally:
+        _waits.pop()
     if start is not None and _clocks:
         args = details() if details is not None else {}
         _hear(Span(name, start, _clocks[-1].now(), len(_stack), wait=True, args=args))
+
+
+def current_wait() -> tuple[str, dict[str, Any], float] | None:
+    """The innermost wait for other ranks running now: its name, details and monotonic
+    start (a watchdog thread reads it while the main thread waits), or None."""
+    return _described(list(_waits))
+
+
+def broken_wait() -> tuple[str, dict[str, Any], float] | None:
+    """The last wait an error escaped from, as `current_wait` gives it, its name followed by
+    the phase it broke in (then forgotten)."""
+    waits, _broken[:] = list(_broken), []
+    return _described(waits)
+
+
+def _described(
+    waits: list[tuple[str, Callable[[], dict[str, Any]] | None, float]],
+) -> tuple[str, dict[str, Any], float] | None:
+    if not waits:
+        return None
+    name, details, started = waits[-1]
+    return name, details() if details is not None else {}, started
 
 
 def _hear(span: Span) -> None:
