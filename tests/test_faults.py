@@ -43,6 +43,12 @@ def _cases() -> dict[str, Any]:
         engine = ms.parallelize(ms.models.mlp(), plan, optimizer=_sgd)
         engine.train_step(x, y)
         results[f"wide {plan.describe()}"] = _message(engine, wide, y)
+    engine = ms.parallelize(ms.models.mlp(), ms.Plan(dp=2), optimizer=_sgd)
+    engine.train_step(x, y)
+    before = _state(engine)
+    rows = 8 if torch.distributed.get_rank() == 0 else 6  # a loader per rank, out of step
+    results["uneven"] = _message(engine, x[:rows], y[:rows])
+    results["uneven untouched"] = all(torch.equal(v, _state(engine)[k]) for k, v in before.items())
     bad = x.clone()
     bad[3] = float("nan")
     for mode in ("raise", "skip"):
@@ -148,3 +154,13 @@ def test_a_stalled_rank_is_warned_about_then_named_when_the_wait_times_out(
     assert "rank 1: step 2, forward, micro-batch 0, not waiting for anyone" in message, message
     warning = capfd.readouterr().err
     assert "meshsplit watchdog: rank 0 (dp 0, pp stage 0, tp 0) has waited" in warning
+
+
+def test_ranks_given_different_batches_are_refused_before_the_update(
+    per_rank: list[dict[str, Any]],
+) -> None:
+    for results in per_rank:
+        kind, message = results["uneven"]
+        assert kind == "InputError", message
+        assert "rank 0: 8, rank 1: 6 rows" in message and "same data" in message, message
+        assert results["uneven untouched"]

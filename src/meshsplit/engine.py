@@ -294,7 +294,7 @@ class Engine:
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
-            finite = self._finite(loss, parts)
+            finite = self._finite(loss, parts, global_rows)
             if finite:
                 commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
@@ -352,14 +352,16 @@ class Engine:
                 raise
             raise explained from error
 
-    def _finite(self, loss: torch.Tensor, parts: _Parts) -> bool:
-        """Plan.nonfinite's check of this step's loss and gradients (see faults.py)."""
+    def _finite(self, loss: torch.Tensor, parts: _Parts, global_rows: int) -> bool:
+        """Plan.nonfinite's check of this step's loss and gradients, and that every rank
+        had the same global batch (see faults.py)."""
         if self.plan.nonfinite == "off":
             return True
-        return faults.check_finite(
+        return faults.check_step(
             loss,
             parts.sync.gradient_tensors(),
             parts.runner.module.named_parameters(),
+            rows=global_rows,
             mode=self.plan.nonfinite,
             step=self.steps + 1,
             where=self._where(),

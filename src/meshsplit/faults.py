@@ -227,23 +227,35 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def check_finite(
+def check_step(
     loss: torch.Tensor,
     gradients: list[torch.Tensor],
     named: Iterable[tuple[str, nn.Parameter]],
     *,
+    rows: int,
     mode: str,
     step: int,
     where: str,
 ) -> bool:
     """Whether every rank's loss and gradients are finite (a world collective: every rank
-    calls). Under mode 'raise' a non-finite one raises NonFiniteError on every rank."""
+    calls). Under mode 'raise' a non-finite one raises NonFiniteError on every rank. The
+    same all-reduce compares the global batch each rank was given: ranks fed different
+    batches (a DataLoader per rank) raise InputError before the update."""
     sums = [loss.detach().sum(dtype=torch.float32)]
     sums += [_local(g).sum(dtype=torch.float32) for g in gradients]
     bad = not bool(torch.stack(sums).isfinite().all())
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=loss.device)
-    flags[dist.get_rank()] = int(bad)
-    dist.all_reduce(flags)
+    seen = torch.zeros(2, dist.get_world_size(), dtype=torch.int64, device=loss.device)
+    seen[0, dist.get_rank()], seen[1, dist.get_rank()] = int(bad), rows
+    dist.all_reduce(seen)
+    flags, batches = seen[0], seen[1].tolist()
+    if len(set(batches)) > 1:
+        given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(batches))
+        raise InputError(
+            f"step {step}: the ranks were given global batches of different sizes ({given} "
+            "rows); every rank must call train_step with the same global batch (each takes "
+            "its own rows of it): give every rank the same data in the same order (one seed), "
+            "not a DataLoader of its own. The update was not applied"
+        )
     if not bool(flags.any()):
         return True
     if mode == "skip":
