@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import meshsplit as ms
+from meshsplit import faults
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -164,3 +165,19 @@ def test_ranks_given_different_batches_are_refused_before_the_update(
         assert kind == "InputError", message
         assert "rank 0: 8, rank 1: 6 rows" in message and "same data" in message, message
         assert results["uneven untouched"]
+
+
+def test_a_plain_loss_function_that_fails_is_named_with_what_it_received() -> None:
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(output, target)
+
+    model = ms.models.mlp((4, 3))
+    x, y = torch.randn(2, 4), torch.tensor([0, 7])
+    try:
+        loss_fn(model(x), y)
+    except IndexError as error:
+        explained = faults.explain_input_error(error, model, x, "rank 0", {"loss_fn": loss_fn})
+    assert explained is not None
+    message = str(explained)
+    assert "rank 0: loss_fn received (a float32 tensor of shape (2, 3)" in message, message
+    assert "int64 tensor of shape (2,)" in message and "out of bounds" in message, message

@@ -344,9 +344,8 @@ class Engine:
         try:
             yield
         except Exception as error:
-            named = {"loss_fn": self.loss_fn} if isinstance(self.loss_fn, nn.Module) else {}
             explained = faults.explain_input_error(
-                error, self._built().runner.module, inputs, self._where(), named
+                error, self._built().runner.module, inputs, self._where(), {"loss_fn": self.loss_fn}
             )
             if explained is None:
                 raise

@@ -284,7 +284,7 @@ def explain_input_error(
     model: nn.Module,
     inputs: Any,
     where: str,
-    others: dict[str, nn.Module] | None = None,
+    others: dict[str, Any] | None = None,
 ) -> InputError | None:
     """An InputError naming the layer (of `model`, or one of `others` such as the loss)
     `error` was raised in, or None if it came from elsewhere: a collective, an error of our
@@ -293,23 +293,49 @@ def explain_input_error(
         error, (RuntimeError, ValueError, IndexError, TypeError)
     ):
         return None
+    functions = {
+        fn.__code__: name for name, fn in (others or {}).items() if hasattr(fn, "__code__")
+    }
+    function = _innermost_function(error.__traceback__, functions)
+    if function is not None:
+        called, args = function
+        return InputError(
+            f"{where}: {called} received {_describe(tuple(args))} and failed: {error}. The "
+            f"global batch was {_describe(inputs)}; check its targets (shape, dtype, class "
+            "range) against the model's output"
+        )
     module, received = _innermost_module(error.__traceback__)
     if module is None or next(module.children(), None) is not None:
         return None
     names = {id(m): name for name, m in model.named_modules()}
-    names |= {id(m): name for name, m in (others or {}).items()}
-    name = names.get(id(module))
-    if name is None:
+    names |= {id(m): name for name, m in (others or {}).items() if isinstance(m, nn.Module)}
+    layer = names.get(id(module))
+    if layer is None:
         return None
     expects = _expectation(module)
     got = _describe(received)
     sent = _describe(inputs)
     return InputError(
-        f"{where}: layer {name or '(the model)'!r} ({type(module).__name__}"
+        f"{where}: layer {layer or '(the model)'!r} ({type(module).__name__}"
         f"{', ' + expects if expects else ''}) received {got} and failed: {error}. "
         f"The global batch was {sent}; check its shape, dtype and class range "
         "against the model"
     )
+
+
+def _innermost_function(
+    trace: TracebackType | None, functions: dict[Any, str]
+) -> tuple[str, list[Any]] | None:
+    """The last of `functions` (code object -> name) the exception passed through, with
+    its first two arguments; None if it passed through none."""
+    found = None
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code in functions:
+            names = frame.f_code.co_varnames[: min(2, frame.f_code.co_argcount)]
+            found = (functions[frame.f_code], [frame.f_locals.get(n) for n in names])
+        trace = trace.tb_next
+    return found
 
 
 def _innermost_module(
