@@ -171,12 +171,13 @@ def _watch(processes: list[Any], workdir: Path) -> None:
 
 
 def _root_cause(failures: list[tuple[float, WorkerError]]) -> WorkerError:
-    """A worker killed by a signal caused its peers' errors; otherwise the earliest error did.
+    """A worker that died (killed by a signal, or gone without a report: os._exit, a
+    crash) caused its peers' errors; otherwise the earliest error did.
 
     Peers of a dead worker fail in their next collective ("Connection closed by peer"),
     possibly before this process notices the death, so death is ranked first.
     """
-    killed = [pair for pair in failures if pair[1].error_type == "Killed"]
+    killed = [pair for pair in failures if pair[1].error_type in ("Killed", "Exit")]
     return min(killed or failures, key=lambda pair: pair[0])[1]
 
 
@@ -191,7 +192,13 @@ def _failure(process: Any, rank: int, workdir: Path, seen_at: float) -> tuple[fl
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         return seen_at, WorkerError(rank, "Killed", f"killed by signal {name}", "")
-    return seen_at, WorkerError(rank, "Exit", f"exited with code {code} without a report", "")
+    return seen_at, WorkerError(
+        rank,
+        "Exit",
+        f"exited with code {code} without a report (os._exit, a crash in native code, or the "
+        "OOM killer; its peers' errors followed from it)",
+        "",
+    )
 
 
 def _stop(processes: list[Any]) -> None:
