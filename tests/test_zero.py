@@ -32,6 +32,7 @@ HF = [
     ("gpt2", ms.Plan(dp=2, pp=2, micro_batches=2, zero=3)),  # tied embeddings across stages
     ("llama", ms.Plan(dp=2, tp=2, zero=3)),
     ("bert", ms.Plan(dp=4, zero=2)),
+    ("resnet", ms.Plan(dp=4, zero=3)),  # BatchNorm: statistics gathered over dp, buffers whole
 ]
 STAGES = [0, 1, 2, 3]
 
