@@ -28,8 +28,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import fully_shard
 
 import meshsplit as ms
-from meshsplit.memory.report import local_tensor, optimizer_tensors
+from meshsplit.memory.report import optimizer_tensors
 from meshsplit.memory.tracker import LiveTensors
+from meshsplit.mesh import local_tensor
 
 from rounds import take_turns
 

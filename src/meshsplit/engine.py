@@ -9,6 +9,7 @@ micro-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -206,20 +207,19 @@ class Engine:
         plan, group = self.plan, self.mesh.group("dp")
         offload.check(plan, self.mesh.device)
         if plan.zero >= 2:
-            pipeline = isinstance(runner, PipelineRunner)
-            sharded = shard_state(
-                runner.module,
-                runner.items()
-                if isinstance(runner, PipelineRunner)
-                else piece_names(runner.module),
-                group,
-                stage=plan.zero,
-                root_runs=not pipeline,  # a stage's items run alone, the stage never does
-                bucket_mb=plan.bucket_mb,
-                keep_whole=runner.tied.parameters if isinstance(runner, PipelineRunner) else (),
+            shard = functools.partial(
+                shard_state, group=group, stage=plan.zero, bucket_mb=plan.bucket_mb
             )
-            if isinstance(runner, PipelineRunner):
+            if isinstance(runner, PipelineRunner):  # a stage's items run alone, it never does
+                sharded = shard(
+                    runner.module,
+                    runner.items(),
+                    root_runs=False,
+                    keep_whole=runner.tied.parameters,
+                )
                 runner.reread_state()
+            else:
+                sharded = shard(runner.module, piece_names(runner.module), root_runs=True)
             return sharded, self._make_optimizer(runner.parameters())
         params = list(runner.parameters())
         sync = GradientSync(params, group, plan.bucket_mb)
@@ -307,7 +307,9 @@ class Engine:
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
 
+    @functools.cached_property
     def _where(self) -> str:
+        """This rank and its place on the mesh, for messages."""
         mesh = self.mesh
         return (
             f"rank {dist.get_rank()} (dp {mesh.rank('dp')}, pp stage {mesh.rank('pp')}, "
@@ -321,7 +323,7 @@ class Engine:
             return None
         return faults.Watchdog(
             store,
-            self._where(),
+            self._where,
             lambda: {"step": self.steps + 1, "phase": phases.current()},
             warn_s=faults.stall_warning_s(),
         )
@@ -345,7 +347,7 @@ class Engine:
             yield
         except Exception as error:
             explained = faults.explain_input_error(
-                error, self._built().runner.module, inputs, self._where(), {"loss_fn": self.loss_fn}
+                error, self._built().runner.module, inputs, self._where, {"loss_fn": self.loss_fn}
             )
             if explained is None:
                 raise
@@ -363,7 +365,7 @@ class Engine:
             rows=global_rows,
             mode=self.plan.nonfinite,
             step=self.steps + 1,
-            where=self._where(),
+            where=self._where,
         )
 
     @torch.no_grad()

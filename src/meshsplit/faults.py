@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit import phases
+from meshsplit.mesh import local_tensor
 
 __all__ = ["CollectiveTimeout", "InputError", "NonFiniteError", "TrainingStopped"]
 
@@ -217,14 +218,9 @@ def nonfinite_parameter(named: Iterable[tuple[str, nn.Parameter]]) -> str | None
     """The name of the first parameter whose gradient holds a NaN or an infinity."""
     for name, param in named:
         grad = param.grad
-        if grad is not None and not bool(torch.isfinite(_local(grad)).all()):
+        if grad is not None and not bool(torch.isfinite(local_tensor(grad)).all()):
             return name
     return None
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def check_step(
@@ -242,7 +238,7 @@ def check_step(
     same all-reduce compares the global batch each rank was given: ranks fed different
     batches (a DataLoader per rank) raise InputError before the update."""
     sums = [loss.detach().sum(dtype=torch.float32)]
-    sums += [_local(g).sum(dtype=torch.float32) for g in gradients]
+    sums += [local_tensor(g).sum(dtype=torch.float32) for g in gradients]
     bad = not bool(torch.stack(sums).isfinite().all())
     seen = torch.zeros(2, dist.get_world_size(), dtype=torch.int64, device=loss.device)
     seen[0, dist.get_rank()], seen[1, dist.get_rank()] = int(bad), rows

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from meshsplit.plan import Plan
 
@@ -14,6 +15,12 @@ __all__: list[str] = []
 
 AXES = ("dp", "pp", "tp")
 """Mesh axes, outermost first: tp ranks are neighbours, so operator-split traffic stays local."""
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: its shard when it is a DTensor (FSDP2's sharded
+    parameters, their gradients and optimizer state), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def ensure_process_group() -> None:

@@ -22,9 +22,9 @@ from meshsplit import phases
 from meshsplit.data_parallel import Sync
 from meshsplit.memory import recompute
 from meshsplit.memory.budget import RankBudget, fit_budget, optimizer_need
-from meshsplit.memory.report import local_tensor, optimizer_tensors, tensor_bytes
+from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
-from meshsplit.mesh import Mesh
+from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.pipeline.schedules import max_in_flight, schedule
 from meshsplit.plan import Plan, PlanError

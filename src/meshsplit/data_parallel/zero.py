@@ -20,6 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.mesh import local_tensor
 from meshsplit.plan import PlanError
 
 __all__: list[str] = []
@@ -154,12 +155,12 @@ class ShardedGradients:
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """This rank's gradient shards (after backward; none between steps), and the buckets."""
-        shards = [_local(p.grad) for p in self.sharded if p.grad is not None]
+        shards = [local_tensor(p.grad) for p in self.sharded if p.grad is not None]
         return [*shards, *self.whole.gradient_tensors()]
 
     def gradient_bytes(self) -> int:
         """What this rank's gradients take while they exist."""
-        shards = sum(_local(p).numel() * p.element_size() for p in self.sharded)
+        shards = sum(local_tensor(p).numel() * p.element_size() for p in self.sharded)
         return shards + self.whole.gradient_bytes()
 
     def close(self) -> None:
@@ -170,10 +171,6 @@ class ShardedGradients:
 def gather_shards(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with every FSDP2 shard gathered whole (a collective over dp: every rank calls)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _device_type(module: nn.Module) -> str:

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from meshsplit.mesh import local_tensor
 
 __all__: list[str] = []
 
@@ -39,12 +40,6 @@ class MemoryReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of `tensor`: its shard when it is a DTensor (FSDP2's sharded
-    parameters and their optimizer state), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
