@@ -4,11 +4,14 @@ error names, and whether any work was lost.
 Two workers (dp=2, or pp=2 where the fault sits in the last stage) of the reference MLP:
 a rank alive but stuck past the process group's timeout, a rank killed mid-step, a batch
 the model cannot take (targets out of the class range, seen by the last stage only), a NaN
-in the batch, and no fault at all (the seconds a launch takes anyway); SIGTERM to
+in the batch, a rank that calls a collective its peer does not (under MESHSPLIT_DEBUG=1), and
+no fault at all (the seconds a launch takes anyway); SIGTERM to
 `meshsplit train` (preemption); a 10,000-step soak of a small model with resident memory
 every 1,000 steps.
 
-    python benchmarks/bench_reliability.py [--timeout 5] [--soak-steps 10000]
+    python benchmarks/bench_reliability.py [--timeout 5] [--soak-steps 10000] [--faults KIND ...]
+
+`--faults desync --soak-steps 0` runs one fault and no soak.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def _fault_at_step_2(kind: str) -> None:
                 time.sleep(60)
             if kind == "killed rank":
                 os._exit(1)
+            if kind == "desync":  # a collective rank 0 does not call: desync.py names it
+                dist.all_reduce(torch.zeros(3))
         return torch.nn.functional.cross_entropy(output, target)
 
     engine = ms.parallelize(ms.models.mlp(), plan, optimizer=_sgd, loss_fn=loss_fn)
@@ -60,11 +65,15 @@ def _fault_at_step_2(kind: str) -> None:
 
 
 def _time_to_error(kind: str, timeout_s: float) -> tuple[float, str]:
+    if kind == "desync":  # the workers inherit it
+        os.environ["MESHSPLIT_DEBUG"] = "1"
     started = time.monotonic()
     try:
         ms.launch(_fault_at_step_2, 2, args=(kind,), timeout_s=timeout_s)
     except ms.WorkerError as error:
         return time.monotonic() - started, f"rank {error.rank} {error.error_type}: {error.message}"
+    finally:
+        os.environ.pop("MESHSPLIT_DEBUG", None)
     return time.monotonic() - started, "no error"
 
 
@@ -109,18 +118,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=5.0, help="process group timeout, s")
     parser.add_argument("--soak-steps", type=int, default=10_000)
+    kinds = (
+        "none",
+        "stuck rank",
+        "killed rank",
+        "bad targets",
+        "nan in batch",
+        "desync",
+        "SIGTERM",
+    )
+    parser.add_argument("--faults", nargs="+", choices=kinds, default=kinds, help="faults to run")
     args = parser.parse_args()
     os.environ["MESHSPLIT_STALL_WARN_S"] = str(args.timeout / 2)
     faults: dict[str, Callable[[], tuple[float, str]]] = {
         kind: (lambda kind=kind: _time_to_error(kind, args.timeout))
-        for kind in ("none", "stuck rank", "killed rank", "bad targets", "nan in batch")
+        for kind in args.faults
+        if kind != "SIGTERM"
     }
-    faults["SIGTERM"] = _preemption
+    if "SIGTERM" in args.faults:
+        faults["SIGTERM"] = _preemption
     print(f"process group timeout {args.timeout:.0f} s\n")
     print(f"{'fault':14s} {'seconds':>7s}  what ended the job")
     for kind, run in faults.items():
         seconds, said = run()
         print(f"{kind:14s} {seconds:7.1f}  {said[:300]}")
+    if args.soak_steps < 1000:
+        return
     marks = ms.launch(_soak, 2, args=(args.soak_steps,), timeout_s=600)[0]
     first = marks[min(marks)]
     growth = max(marks.values()) / first - 1

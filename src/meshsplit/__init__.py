@@ -2,6 +2,7 @@
 
 from meshsplit import data, models, tensor, timeline
 from meshsplit.checkpoint import CheckpointError, load_full_state_dict
+from meshsplit.desync import DesyncError
 from meshsplit.engine import Engine, parallelize
 from meshsplit.faults import InputError, NonFiniteError, TrainingStopped
 from meshsplit.launch import WorkerError, launch
@@ -14,6 +15,7 @@ from meshsplit.simulate import estimate_memory
 
 __all__ = [
     "CheckpointError",
+    "DesyncError",
     "Engine",
     "InputError",
     "MemoryBudgetError",

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshsplit import desync
+
 __all__ = ["WorkerError", "launch"]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -254,6 +256,7 @@ def _local_worker(
             world_size=world_size,
             timeout=timeout,
         )
+        desync.install(job_store(), timeout)  # MESHSPLIT_DEBUG=1: collectives checked
         result = fn(*args, **kwargs)
         _save_atomically(result, workdir / f"rank{rank}.result.pt")
         dist.barrier()
@@ -308,6 +311,7 @@ def _join_torchrun(
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
+    desync.install(job_store(), timeout)
     result = fn(*args, **kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
