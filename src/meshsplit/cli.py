@@ -169,6 +169,13 @@ def _plan_options(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--offload", default="none", help="none, optimizer or activations (GPU only)"
     )
+    command.add_argument(
+        "--sync", default="allreduce", help="allreduce, or ps (parameter servers beside dp)"
+    )
+    command.add_argument("--servers", type=int, help="parameter-server processes (--sync ps)")
+    command.add_argument(
+        "--staleness", type=int, default=0, help="--sync ps: updates a worker may lag (0: exact)"
+    )
 
 
 def _plan_from(args: argparse.Namespace) -> Plan:
@@ -184,6 +191,9 @@ def _plan_from(args: argparse.Namespace) -> Plan:
         compress=args.compress,
         compress_transfers=args.compress_transfers,
         offload=args.offload,
+        sync=args.sync,
+        servers=args.servers,
+        staleness=args.staleness,
     )
 
 
@@ -229,6 +239,11 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--micro-batches", type=int, default=4, help="for plans with pp > 1")
     compare.add_argument(
         "--memory-budget", help="per rank, e.g. 64MiB: plans whose estimate passes it are refused"
+    )
+    compare.add_argument(
+        "--include-ps",
+        action="store_true",
+        help="also run parameter-server plans (1-2 servers, staleness 0 and 2)",
     )
     plan = commands.add_parser(
         "plan", help="predict every plan's step time and memory, choose one, say why"
@@ -306,6 +321,11 @@ def train(args: argparse.Namespace) -> None:
         raise PlanError(f"--epochs={args.epochs} must be at least 1")
     if args.resume and args.checkpoint_dir is None:
         raise PlanError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if plan.sync == "ps" and (args.checkpoint_dir or args.timeline):
+        raise PlanError(
+            "--sync ps takes neither --checkpoint-dir nor --timeline: the optimizer state and "
+            "the updates live on the servers; use --sync allreduce for those"
+        )
     if plan.tp > 1:
         tensor.plan_splits(build_model(args.model), plan.tp)  # refuse a bad tp before launch
     options = {
@@ -330,6 +350,8 @@ def train(args: argparse.Namespace) -> None:
         )
         options["predicted"] = timeline.predicted_events(prediction)
     results = launch(_train_worker, plan.world_size, args=(options,))
+    servers = results[plan.world_size - plan.server_count :]  # parameter servers' summaries
+    results = results[: plan.world_size - plan.server_count]
     history = results[0]["history"]
     last = history[-1] if history else {"loss": None, "samples_per_second": None}
     metrics = {
@@ -338,8 +360,10 @@ def train(args: argparse.Namespace) -> None:
         "test_accuracy": results[0]["test_accuracy"],
         "final_loss": last["loss"],
         "samples_per_second": last["samples_per_second"],
-        "peak_memory_bytes": [result["memory"]["peak_bytes"] for result in results],
+        "peak_memory_bytes": [result["memory"]["peak_bytes"] for result in results]
+        + [server["held_bytes"] for server in servers],
         "memory": [result["memory"] for result in results],
+        "servers": servers,
         "history": results[0]["history"],
     }
     Console().print(
@@ -359,6 +383,7 @@ def compare(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         micro_batches=args.micro_batches,
         memory_budget=args.memory_budget,
+        include_ps=args.include_ps,
     )
     if config.devices < 1:
         raise PlanError(f"--devices={config.devices} must be at least 1")

@@ -56,6 +56,9 @@ class CompareConfig:
     """Micro-batches per step for plans with a layer split."""
     memory_budget: str | None = None
     """Per-rank budget: plans whose estimate passes it are refused, not run."""
+    include_ps: bool = False
+    """Also run parameter-server plans: 1 or 2 of the devices serve, the rest work, both
+    synchronous (staleness 0) and asynchronous (staleness 2)."""
     seed: int = 0
 
 
@@ -75,7 +78,15 @@ def candidate_plans(config: CompareConfig) -> list[Plan]:
                     memory_budget=config.memory_budget,
                 )
             )
-    return sorted(plans, key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
+    plans.sort(key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
+    if config.include_ps:
+        plans += [
+            Plan(dp=config.devices - servers, sync="ps", servers=servers, staleness=staleness)
+            for servers in (1, 2)
+            if servers < config.devices
+            for staleness in (0, 2)
+        ]
+    return plans
 
 
 def batches(config: CompareConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -238,20 +249,25 @@ def _row(
     pricing: tuple[Workload, Machine] | None = None,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"plan": plan.describe(), "shape": asdict(plan)}
+    estimate = None
     try:
         plan.check_batch(config.batch_size)
-        estimate = estimate_memory(
-            _model(config), plan, batches(config)[0], optimizer=_optimizer, loss_fn=_loss_fn(config)
-        )
-        estimate.check()
-        # the workers cut the layers where the estimate's profile did
-        results = launch(_run_plan, plan.world_size, args=(config, estimate.plan))
+        if plan.sync != "ps":  # the estimate covers the mesh's ranks, not servers
+            estimate = estimate_memory(
+                _model(config), plan, batches(config)[0], optimizer=_optimizer,
+                loss_fn=_loss_fn(config),
+            )  # fmt: skip
+            estimate.check()
+            plan = estimate.plan  # the workers cut the layers where the estimate's profile did
+        results = launch(_run_plan, plan.world_size, args=(config, plan))
     except PlanError as error:
         return {**row, "refused": str(error)}
     except WorkerError as error:
         if error.error_type != "PlanError":
             raise
         return {**row, "refused": error.message}
+    servers = results[plan.world_size - plan.server_count :]
+    results = results[: plan.world_size - plan.server_count]  # the workers'
     losses = results[0]["losses"]
     slowest = max(result["seconds"] for result in results)
     # What training added on each rank: the process peak less what torch held before it.
@@ -259,19 +275,23 @@ def _row(
     matched = torch.allclose(
         torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=1e-6
     )
-    prediction = _predicted(pricing, estimate.plan)
+    prediction = None if estimate is None else _predicted(pricing, plan)
     if prediction is not None:
         row["predicted_step_s"] = prediction.step_time_s
         row["predicted_terms"] = prediction.terms
+    if servers:
+        peaks += [server["held_bytes"] for server in servers]
     return {
         **row,
         "step_s": slowest / (config.steps - 1),
         "samples_per_second": (config.steps - 1) * config.batch_size / slowest,
         "peak_memory_bytes": peaks,
         "tensor_peak_bytes": [r["memory"]["tensor_peak_bytes"] for r in results],
-        "estimated_peak_bytes": [r.peak_bytes for r in estimate.ranks],
+        "estimated_peak_bytes": None
+        if estimate is None
+        else [r.peak_bytes for r in estimate.ranks],
         "bytes_per_step": sum(result["bytes"] for result in results),
         "final_loss": losses[-1],
         "reference_final_loss": reference[-1],
-        "loss_matches": bool(matched),
+        "loss_matches": None if plan.staleness else bool(matched),
     }

@@ -22,7 +22,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     """One plan's figures as text, in the column order of HEADERS."""
     if "refused" in row:
         return [row["plan"], "refused"] + [""] * (len(HEADERS) - 2)
-    predicted = row.get("predicted_step_s")
+    predicted, estimated = row.get("predicted_step_s"), row.get("estimated_peak_bytes")
     error = (
         "" if predicted is None else f"{100 * (predicted - row['step_s']) / row['step_s']:+.0f}%"
     )
@@ -33,11 +33,11 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{row['step_s'] * 1e3:.1f}",
         "" if predicted is None else f"{predicted * 1e3:.1f}",
         error,
-        f"{max(row['estimated_peak_bytes']) / _MIB:.1f}",
+        "" if estimated is None else f"{max(estimated) / _MIB:.1f}",
         f"{max(row['tensor_peak_bytes']) / _MIB:.1f}",
         f"{max(row['peak_memory_bytes']) / _MIB:.0f}",
         f"{row['bytes_per_step'] / _MIB:.2f}",
-        "yes" if row["loss_matches"] else "NO",
+        {True: "yes", False: "NO", None: "async"}[row["loss_matches"]],
     ]
 
 

@@ -250,9 +250,9 @@ class Checker:
         key = f"watchdog/{peer}"
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
-    def send(self, tensor: torch.Tensor, dst: int, name: str, site: str) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, name: str, site: str) -> None:
         with self.lock:
-            channel = f"{self.rank}>{dst}"
+            channel = f"{self.rank}>{dst}:{tag}"
             n = self.p2p.get(channel, 0)
             self.p2p[channel] = n + 1
             posted = {
@@ -263,9 +263,11 @@ class Checker:
             }
             self.store.set(f"desync/p2p/{channel}/{n}", json.dumps(posted))
 
-    def receive(self, tensor: torch.Tensor, src: int, name: str, site: str, wait: bool) -> None:
+    def receive(
+        self, tensor: torch.Tensor, src: int, tag: int, name: str, site: str, wait: bool
+    ) -> None:
         with self.lock:
-            channel = f"{src}>{self.rank}"
+            channel = f"{src}>{self.rank}:{tag}"
             n = self.p2p.get(channel, 0)
             self.p2p[channel] = n + 1
             key = f"desync/p2p/{channel}/{n}"
@@ -367,11 +369,15 @@ def _checked(name: str, original: Callable[..., Any], checker: Checker) -> Calla
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs).arguments
+        tag = bound.get("tag", 0)
         if name == "send":
-            checker.send(bound["tensor"], bound["dst"], name, call_site())
+            checker.send(bound["tensor"], bound["dst"], tag, name, call_site())
+        elif name == "recv" and bound.get("src") is None:  # from any rank: known once here
+            src = original(*args, **kwargs)
+            checker.receive(bound["tensor"], src, tag, name, call_site(), wait=True)
+            return src
         elif name == "recv":
-            if bound.get("src") is not None:
-                checker.receive(bound["tensor"], bound["src"], name, call_site(), wait=True)
+            checker.receive(bound["tensor"], bound["src"], tag, name, call_site(), wait=True)
         else:
             checker.collective(name, bound)
         return original(*args, **kwargs)
@@ -385,10 +391,10 @@ def _checked_batch(original: Callable[..., Any], checker: Checker) -> Callable[.
         site = call_site()
         sends = [op for op in p2p_op_list if getattr(op.op, "__name__", "") == "isend"]
         for op in sends:
-            checker.send(op.tensor, op.peer, "isend", site)
+            checker.send(op.tensor, op.peer, op.tag, "isend", site)
         for op in p2p_op_list:
             if op not in sends:
-                checker.receive(op.tensor, op.peer, "irecv", site, wait=False)
+                checker.receive(op.tensor, op.peer, op.tag, "irecv", site, wait=False)
         return original(p2p_op_list)
 
     return wrapper

@@ -35,10 +35,11 @@ from meshsplit.data_parallel import (
     Sync,
     gather_rows,
     gather_shards,
+    ps,
     shard_optimizer,
     shard_state,
 )
-from meshsplit.launch import job_store
+from meshsplit.launch import LeaveJob, before_exit, job_store
 from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import compress, offload, pools, reclaim, recompute
 from meshsplit.memory.report import (
@@ -82,8 +83,14 @@ def parallelize(
     layer split profiles it, both on one micro-batch: `example_inputs` (a tensor or a
     dict/tuple of them), or else the first batch the engine sees.
     """
+    _refuse_after_servers_left()
     mesh = Mesh.build(plan)
     lazy = lazy_model.is_lazy(model)
+    if lazy and plan.sync == "ps":
+        raise PlanError(
+            "sync='ps' keeps the whole model on every worker and server: pass the built "
+            "model, not a factory or a meta-device model"
+        )
     if lazy:
         share_random_stream(mesh, everywhere=True)  # every rank records the same model
         model = lazy_model.build(model)
@@ -93,6 +100,8 @@ def parallelize(
         baseline = baseline_bytes(model, mesh.device)
         model = model.to(mesh.device)
         broadcast_from_first_rank(model)
+    if mesh.is_server:
+        _serve(model, plan, optimizer or _default_optimizer)
     reset_peak(mesh.device)
     share_random_stream(mesh)
     engine = Engine(
@@ -100,13 +109,52 @@ def parallelize(
         mesh=mesh,
         model=model,
         loss_fn=loss_fn if loss_fn is not None else nn.CrossEntropyLoss(),
-        make_optimizer=optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3)),
+        make_optimizer=optimizer or _default_optimizer,
         baseline_bytes=baseline,
         lazy=lazy,
     )
     if example_inputs is not None or not engine.needs_example:
         engine.build(example_inputs)
     return engine
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+_SERVED = "ps/served"
+"""The job-store key a parameter server sets: it will leave the job after this engine."""
+
+
+def _refuse_after_servers_left() -> None:
+    """A job whose parameter servers served an engine has lost those processes: a new
+    engine's collectives would wait for them forever."""
+    store = job_store()
+    if store is not None and store.check([_SERVED]):
+        raise PlanError(
+            "this job's parameter servers served an engine and left it (they leave once its "
+            "workers close it): build one sync='ps' engine per ms.launch (or Trainer.fit), "
+            "and no other engine after it"
+        )
+
+
+def _serve(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory) -> None:
+    """A parameter server's whole part: hold its tensors to the budget, serve the workers
+    until all are done, then leave the job's function with what it did."""
+    store = job_store()
+    if store is not None:
+        store.set(_SERVED, str(dist.get_rank()))
+    server = ps.ParameterServer(model.parameters(), plan, make_optimizer)
+    pools.preallocate_optimizer_state(server.optimizer)
+    budget, held = plan.budget_bytes, server.held_bytes()
+    if budget is not None and held > budget:
+        raise PlanError(
+            f"parameter server rank {dist.get_rank()} ({plan.describe()}) needs {held:,} bytes "
+            f"for its parameters, their gradient sums and optimizer state, over "
+            f"Plan.memory_budget={plan.memory_budget!r}; use more servers (servers="
+            f"{plan.server_count * -(-held // budget)}) or a larger budget"
+        )
+    raise LeaveJob({"server": dist.get_rank() - plan.dp, "held_bytes": held, **server.serve()})
 
 
 class Engine:
@@ -169,7 +217,7 @@ class Engine:
         model, plan = self.model, self.plan
         if self.lazy:  # BatchNorm layers are rebuilt, with their values: give them values
             lazy_model.keep(model, batchnorm_state(model), self.mesh.device)
-        self.batchnorm = convert_batchnorm(model, self.mesh.group("dp"), plan.micro_batches)
+        self.batchnorm = convert_batchnorm(model, self._dp_statistics, plan.micro_batches)
         blocks = piece_names(model) if plan.checkpoint in ("always", "auto") else []
         profile = None
         runner: Runner
@@ -192,11 +240,13 @@ class Engine:
             recompute.recompute_blocks(model, blocks)
         sync, optimizer = self._training_state(runner)
         self._parts = _Parts(runner=runner, sync=sync, optimizer=optimizer)
+        on_servers = plan.sync == "ps"  # the optimizer state is there, none here
         self.preallocated = pools.preallocate(
             optimizer, self.mesh.device, reserve_memory=plan.reserve_memory,
-            budget_bytes=plan.budget_bytes,
+            budget_bytes=plan.budget_bytes, state=not on_servers,
         )  # fmt: skip
-        self.memory.fit(model, runner, self._parts.sync, self._make_optimizer, profile)
+        held = ps.stateless_optimizer if on_servers else self._make_optimizer
+        self.memory.fit(model, runner, self._parts.sync, held, profile)
         if self._pending_load is not None:
             path, self._pending_load = self._pending_load, None
             checkpoint.load(self, path)
@@ -206,6 +256,10 @@ class Engine:
         """The gradient sync over dp and the optimizer, sharded as Plan.zero says."""
         plan, group = self.plan, self.mesh.group("dp")
         offload.check(plan, self.mesh.device)
+        if plan.sync == "ps":
+            client = ps.ParameterClient(runner.parameters(), plan)
+            before_exit(client.close)  # the servers wait for every worker's goodbye
+            return client, ps.ServerOptimizer(runner.parameters(), client)
         if plan.zero >= 2:
             shard = functools.partial(
                 shard_state, group=group, stage=plan.zero, bucket_mb=plan.bucket_mb
@@ -304,8 +358,34 @@ class Engine:
                 self.skipped_steps += 1
             parts.sync.zero_grad()
         self.steps += 1
+        if self._apart:  # no wait for the other workers: this replica's own mean
+            return float(loss.item()) * global_rows / rows(x)
         dist.all_reduce(loss, group=self.mesh.group("dp"))
         return float(loss.item())
+
+    @property
+    def _apart(self) -> bool:
+        """Whether the workers run without waiting for each other (asynchronous parameter
+        servers): no collective among them inside a step."""
+        return self.plan.sync == "ps" and self.plan.staleness > 0
+
+    @property
+    def peers(self) -> dist.ProcessGroup | None:
+        """The processes every step agrees with (stop requests, the non-finite check): the
+        mesh's, or None when the workers run apart."""
+        return None if self._apart else self.mesh.world
+
+    @property
+    def _dp_statistics(self) -> dist.ProcessGroup | None:
+        """The group BatchNorm's batch statistics span: the dp replicas, unless they run
+        apart (then each worker normalises with its own rows)."""
+        return None if self._apart else self.mesh.group("dp")
+
+    def _newest_parameters(self) -> None:
+        """Asynchronous parameter servers: every worker takes the servers' newest parameters
+        (what waits applied), so outputs and state agree across workers."""
+        if self._apart and isinstance(sync := self._built().sync, ps.ParameterClient):
+            sync.flush()
 
     @functools.cached_property
     def _where(self) -> str:
@@ -366,6 +446,7 @@ class Engine:
             mode=self.plan.nonfinite,
             step=self.steps + 1,
             where=self._where,
+            group=self.peers,
         )
 
     @torch.no_grad()
@@ -373,6 +454,7 @@ class Engine:
         """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
         runner = self._built(inputs).runner
         runner.train(False)
+        self._newest_parameters()
         with self._naming_bad_input(inputs):
             output = runner.forward(self._replica_rows(inputs))
         if self.plan.dp == 1:
@@ -415,6 +497,8 @@ class Engine:
         every epoch, and a generation torchrun restarted (--max-restarts) first loads the
         latest complete checkpoint there, so it goes on where the last one saved.
         """
+        if checkpoint_dir is not None:
+            self._refuse_checkpoints_on_servers()
         if checkpoint_dir is not None and self.steps == 0 and training.restarted(checkpoint_dir):
             self.load(checkpoint_dir)
         return training.fit(
@@ -430,6 +514,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit model's state dict (same keys and shapes as the original), on CPU."""
+        self._newest_parameters()
         local = gather_shards(self.runner.local_state_dict())
         if self.plan.tp > 1:
             local = tensor.unshard_state_dict(self.model, local, self.mesh.group("tp"))
@@ -451,6 +536,7 @@ class Engine:
         Before the model is split every rank still holds all of it, and there is no optimizer
         state yet: that is what is saved then.
         """
+        self._refuse_checkpoints_on_servers()
         if self._parts is None and self.needs_example:
             return checkpoint.save(_Unsplit(self), directory)
         self._built()
@@ -462,6 +548,7 @@ class Engine:
         Before the model is split (a plan that waits for its first batch) the checkpoint is
         checked now and read as soon as the split exists.
         """
+        self._refuse_checkpoints_on_servers()
         path = checkpoint.resolve(directory)
         if self._parts is None and self.needs_example:
             checkpoint.check_readable(path)
@@ -469,6 +556,14 @@ class Engine:
             return path
         self._built()
         return checkpoint.load(self, path)
+
+    def _refuse_checkpoints_on_servers(self) -> None:
+        if self.plan.sync == "ps":
+            raise PlanError(
+                "checkpoints of sync='ps' plans are not supported: the optimizer state lives "
+                "on the parameter servers; save full_state_dict() instead, or train with "
+                "sync='allreduce' to checkpoint and resume"
+            )
 
     def memory_report(self) -> MemoryReport:
         """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""

@@ -202,11 +202,14 @@ class StopRequest:
             signal.signal(number, handler)
         self._previous = {}
 
-    def agreed(self, device: torch.device) -> signal.Signals | None:
-        """The signal any rank was asked to stop by, or None (a world collective)."""
+    def agreed(
+        self, device: torch.device, group: dist.ProcessGroup | None
+    ) -> signal.Signals | None:
+        """The signal any rank of `group` was asked to stop by, or None (a collective over
+        `group`; None: this rank alone)."""
         flag = torch.tensor([0 if self.signal is None else int(self.signal)], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if group is not None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return signal.Signals(int(flag)) if int(flag) else None
 
 
@@ -232,17 +235,22 @@ def check_step(
     mode: str,
     step: int,
     where: str,
+    group: dist.ProcessGroup | None,
 ) -> bool:
-    """Whether every rank's loss and gradients are finite (a world collective: every rank
-    calls). Under mode 'raise' a non-finite one raises NonFiniteError on every rank. The
-    same all-reduce compares the global batch each rank was given: ranks fed different
-    batches (a DataLoader per rank) raise InputError before the update."""
+    """Whether every rank's loss and gradients are finite (a collective over `group`, the
+    mesh's processes; None: this rank alone, for workers that do not wait for each other).
+    Under mode 'raise' a non-finite one raises NonFiniteError on every rank. The same
+    all-reduce compares the global batch each rank was given: ranks fed different batches
+    (a DataLoader per rank) raise InputError before the update."""
     sums = [loss.detach().sum(dtype=torch.float32)]
     sums += [local_tensor(g).sum(dtype=torch.float32) for g in gradients]
     bad = not bool(torch.stack(sums).isfinite().all())
-    seen = torch.zeros(2, dist.get_world_size(), dtype=torch.int64, device=loss.device)
-    seen[0, dist.get_rank()], seen[1, dist.get_rank()] = int(bad), rows
-    dist.all_reduce(seen)
+    members = 1 if group is None else dist.get_world_size(group)
+    me = 0 if group is None else dist.get_rank(group)
+    seen = torch.zeros(2, members, dtype=torch.int64, device=loss.device)
+    seen[0, me], seen[1, me] = int(bad), rows
+    if group is not None:
+        dist.all_reduce(seen, group=group)
     flags, batches = seen[0], seen[1].tolist()
     if len(set(batches)) > 1:
         given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(batches))
@@ -263,13 +271,16 @@ def check_step(
         mine = f"{where}: loss {loss_text}" + (
             f", first non-finite gradient: {first}" if first else ", gradients finite"
         )
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, mine)
-    ranks = [r for r, flag in enumerate(flags.tolist()) if flag]
+    reports: list[Any] = [mine]
+    if group is not None:
+        reports = [None] * members
+        dist.all_gather_object(reports, mine, group=group)
+    flagged = [r for r, flag in enumerate(flags.tolist()) if flag]
+    ranks = flagged if group is not None else [dist.get_rank()]
     raise NonFiniteError(
         f"step {step}: a NaN or infinity on rank(s) {ranks} (gradients synchronised over "
         "dp carry one replica's to all): "
-        + "; ".join(str(reports[r]) for r in ranks)
+        + "; ".join(str(reports[r]) for r in flagged)
         + ". The parameters are those before this step. Lower the learning rate, clip "
         "gradients or check the batch; Plan(nonfinite='skip') drops such steps instead"
     )

@@ -50,6 +50,36 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker rank {rank} failed: {error_type}: {message}\n{traceback_text}")
 
 
+class LeaveJob(BaseException):  # noqa: N818 - not an error: a role that ended early
+    """Raised in a worker whose part is over before the job's function returns (a parameter
+    server once every worker is done): the launcher takes `result` as its return value."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__("this rank's part of the job is over")
+        self.result = result
+
+
+_before_exit: list[Callable[[], None]] = []
+"""What a worker must do after the job's function and before the job's last barrier."""
+
+
+def before_exit(callback: Callable[[], None]) -> None:
+    """Run `callback` in this worker once the job's function is over, before its last
+    barrier (a parameter-server worker tells its servers it is done)."""
+    _before_exit.append(callback)
+
+
+def _run_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """fn's value in this worker (or the result of a role that left the job early)."""
+    try:
+        result = fn(*args, **kwargs)
+    except LeaveJob as leave:
+        result = leave.result
+    while _before_exit:
+        _before_exit.pop()()
+    return result
+
+
 _job_store: list[dist.Store] = []
 """This worker's key-value store of the job (a watchdog posts where each rank is)."""
 
@@ -257,7 +287,7 @@ def _local_worker(
             timeout=timeout,
         )
         desync.install(job_store(), timeout)  # MESHSPLIT_DEBUG=1: collectives checked
-        result = fn(*args, **kwargs)
+        result = _run_job(fn, args, kwargs)
         _save_atomically(result, workdir / f"rank{rank}.result.pt")
         dist.barrier()
         dist.destroy_process_group()
@@ -312,7 +342,7 @@ def _join_torchrun(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
     desync.install(job_store(), timeout)
-    result = fn(*args, **kwargs)
+    result = _run_job(fn, args, kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
     dist.barrier()

@@ -45,10 +45,25 @@ class Mesh:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         )
-        device_mesh = init_device_mesh(
-            device.type, (plan.dp, plan.pp, plan.tp), mesh_dim_names=AXES
-        )
+        shape = (plan.dp, plan.pp, plan.tp)
+        if plan.server_count:  # the workers' mesh; the servers (the last ranks) stand beside it
+            workers = torch.arange(plan.dp * plan.pp * plan.tp).view(shape)
+            device_mesh = DeviceMesh(device.type, workers, mesh_dim_names=AXES)
+        else:
+            device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)
         return cls(device_mesh=device_mesh, device=device)
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this process is a parameter server, outside the workers' mesh."""
+        return self.device_mesh.get_coordinate() is None
+
+    @property
+    def world(self) -> dist.ProcessGroup:
+        """Every process of the mesh (the whole job, less any parameter servers)."""
+        if self.device_mesh.mesh.numel() == dist.get_world_size():
+            return dist.distributed_c10d._get_default_group()
+        return self.group("dp")  # with servers, pp == tp == 1: dp spans the mesh
 
     def size(self, axis: str) -> int:
         return self.device_mesh.size(AXES.index(axis))

@@ -16,6 +16,7 @@ COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 TRANSFER_COMPRESSIONS = ("none", "bf16")
 OFFLOADS = ("none", "optimizer", "activations")
 NONFINITE = ("raise", "skip", "off")
+SYNCS = ("allreduce", "ps")
 UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -88,6 +89,16 @@ class Plan:
     """A NaN or infinite loss or gradient: 'raise' stops every rank with NonFiniteError
     naming the step, ranks and first parameter; 'skip' drops that update on every rank
     alike; 'off' does not check (one small all-reduce a step less)."""
+    sync: str = "allreduce"
+    """How the dp replicas meet: 'allreduce' (gradients summed among them every step) or
+    'ps' (parameter servers: `servers` more processes own the parameters and run the
+    optimizer; workers push gradients and pull parameters)."""
+    servers: int | None = None
+    """Parameter-server processes beside the dp workers (sync='ps'; default 1)."""
+    staleness: int = 0
+    """sync='ps': 0 is synchronous (exactly one process's result); K > 0 lets the servers
+    update without the slowest worker, as long as no worker's parameters fall more than K
+    updates behind the newest."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "pp", "tp", "micro_batches"):
@@ -127,6 +138,7 @@ class Plan:
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, "Plan.memory_budget")
         self._check_memory_options()
+        self._check_sync()
         if self.bucket_mb <= 0:
             raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
 
@@ -152,6 +164,49 @@ class Plan:
                     f"Plan.{name}={value!r} is unknown; use one of "
                     f"{', '.join(repr(a) for a in allowed)}"
                 )
+
+    def _check_sync(self) -> None:
+        """Parameter servers run whole-model replicas with the optimizer on the servers."""
+        if self.sync not in SYNCS:
+            raise PlanError(
+                f"Plan.sync={self.sync!r} is unknown; use one of {', '.join(map(repr, SYNCS))}"
+            )
+        if self.sync == "allreduce":
+            if self.servers is not None or self.staleness != 0:
+                raise PlanError(
+                    f"Plan.servers={self.servers!r} / staleness={self.staleness!r} apply to "
+                    "parameter servers only; add sync='ps' or leave them unset"
+                )
+            return
+        servers = 1 if self.servers is None else self.servers
+        if not isinstance(servers, int) or isinstance(servers, bool) or servers < 1:
+            raise PlanError(
+                f"Plan.servers={self.servers!r} must be a positive integer: sync='ps' needs "
+                "at least one server process; e.g. servers=1"
+            )
+        object.__setattr__(self, "servers", servers)
+        staleness = self.staleness
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise PlanError(
+                f"Plan.staleness={staleness!r} must be 0 (synchronous) or a positive number "
+                "of updates a worker may lag; e.g. staleness=2"
+            )
+        unsupported = [
+            f"{name}={getattr(self, name)!r}"
+            for name, default in (("pp", 1), ("tp", 1), ("zero", 0), ("offload", "none"))
+            if getattr(self, name) != default
+        ]
+        if unsupported:
+            raise PlanError(
+                f"sync='ps' keeps a whole model on every worker and the optimizer on the "
+                f"servers, so it does not combine with {', '.join(unsupported)}; use "
+                "sync='allreduce' for layer or operator split and sharded state"
+            )
+
+    @property
+    def server_count(self) -> int:
+        """Parameter-server processes (0 without sync='ps')."""
+        return self.servers or 0
 
     @property
     def lossy(self) -> bool:
@@ -180,12 +235,18 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Processes this plan needs."""
-        return self.dp * self.pp * self.tp
+        """Processes this plan needs: the mesh's, and the parameter servers'."""
+        return self.dp * self.pp * self.tp + self.server_count
 
     def check_world(self, world_size: int) -> None:
         """Refuse a plan whose mesh does not cover exactly `world_size` processes."""
         if self.world_size != world_size:
+            if self.sync == "ps":
+                raise PlanError(
+                    f"Plan dp + servers = {self.dp} + {self.server_count} = {self.world_size} "
+                    f"does not match {world_size} processes; launch {self.world_size} "
+                    f"processes, or use dp + servers == {world_size}"
+                )
             rest = self.pp * self.tp
             fix = f"dp={world_size // rest}, " if world_size % rest == 0 else ""
             raise PlanError(
@@ -219,6 +280,8 @@ class Plan:
         for name in ("compress", "compress_transfers", "offload"):
             if getattr(self, name) != "none":
                 text += f" {name}={getattr(self, name)}"
+        if self.sync == "ps":
+            text += f" ps{self.server_count} staleness{self.staleness}"
         return text
 
     def as_dict(self) -> dict[str, object]:
@@ -240,6 +303,9 @@ class Plan:
             "memory_budget": self.memory_budget,
             "reserve_memory": self.reserve_memory,
             "nonfinite": self.nonfinite,
+            "sync": self.sync,
+            "servers": self.servers,
+            "staleness": self.staleness,
         }
 
 

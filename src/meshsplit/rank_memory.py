@@ -85,8 +85,8 @@ class RankMemory:
             )
         except PlanError as error:
             message = str(error)
-        messages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, message)
+        messages: list[Any] = [None] * dist.get_world_size(self.mesh.world)
+        dist.all_gather_object(messages, message, group=self.mesh.world)
         refusals = [m for m in messages if m is not None]
         if refusals:
             raise PlanError("; ".join(refusals))

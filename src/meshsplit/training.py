@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -29,6 +30,9 @@ class Engine(Protocol):
     mesh: Mesh
     data_position: dict[str, int]
 
+    @property
+    def peers(self) -> dist.ProcessGroup | None: ...
+
     def train_step(self, inputs: Any, targets: Any) -> float: ...
 
     def evaluate(self, inputs: Any, targets: Any, batch_size: int = 512) -> dict[str, float]: ...
@@ -46,12 +50,13 @@ def fit(
     seed: int,
     show: bool,
     checkpoint_dir: str | os.PathLike[str] | None,
+    shuffle: bool = True,
 ) -> list[dict[str, float]]:
     """Train up to epoch `epochs`, from `engine.data_position`; rows for the epochs run here.
 
-    Every rank draws the same shuffle from (seed, epoch), so all take part in the same global
-    batch and a resumed run sees the batches an uninterrupted one would. The last partial
-    batch of an epoch is dropped: it may not split over the plan.
+    Every rank draws the same shuffle from (seed, epoch) (see `epoch_order`), so all take
+    part in the same global batch and a resumed run sees the batches an uninterrupted one
+    would. The last partial batch of an epoch is dropped: it may not split over the plan.
     """
     inputs, targets = dataset
     engine.plan.check_batch(batch_size)
@@ -79,9 +84,7 @@ def fit(
         total = max(0, (epochs - done_epochs) * batches - done_batches)
         task = progress.add_task("train", total=total, status="")
         for epoch in range(done_epochs + 1, epochs + 1):
-            order = torch.randperm(
-                samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)
-            )
+            order = epoch_order(samples, seed, epoch, shuffle)
             first = done_batches if epoch == done_epochs + 1 else 0
             started, losses = time.perf_counter(), []
             for index in range(first, batches):
@@ -91,7 +94,7 @@ def fit(
                 )
                 engine.data_position = {"epoch": epoch - 1, "batch": index + 1}
                 progress.update(task, advance=1, status=f"epoch {epoch} loss {losses[-1]:.4f}")
-                asked = stop.agreed(engine.mesh.device)
+                asked = stop.agreed(engine.mesh.device, engine.peers)
                 if asked is not None:
                     _stop(engine, asked, checkpoint_dir)
             engine.data_position = {"epoch": epoch, "batch": 0}
@@ -114,6 +117,13 @@ def fit(
     if show and history:
         console.print(epoch_table(history))
     return history
+
+
+def epoch_order(samples: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The order `fit` takes the samples in during `epoch` (counted from 1)."""
+    if not shuffle:
+        return torch.arange(samples)
+    return torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
 def restarted(checkpoint_dir: str | os.PathLike[str]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshsplit.data_parallel.allreduce import GradientSync, gather_rows
+from meshsplit.data_parallel.ps import ParameterClient
 from meshsplit.data_parallel.zero import (
     ShardedGradients,
     gather_shards,
@@ -10,11 +11,13 @@ from meshsplit.data_parallel.zero import (
     shard_state,
 )
 
-Sync = GradientSync | ShardedGradients
-"""How a replica's gradients meet the others': all-reduced buckets, or FSDP2's shards."""
+Sync = GradientSync | ShardedGradients | ParameterClient
+"""How a replica's gradients meet the others': all-reduced buckets, FSDP2's shards, or
+pushed to parameter servers."""
 
 __all__ = [
     "GradientSync",
+    "ParameterClient",
     "ShardedGradients",
     "Sync",
     "gather_rows",

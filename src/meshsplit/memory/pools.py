@@ -228,10 +228,12 @@ def preallocate(
     *,
     reserve_memory: bool = False,
     budget_bytes: int | None = None,
+    state: bool = True,
 ) -> Preallocated:
-    """Everything this rank can allocate before step 1: the optimizer state, and on GPU with
-    `reserve_memory` the caching allocator's hold on the step's peak (`reserve_target`)."""
-    reason = preallocate_optimizer_state(optimizer)
+    """Everything this rank can allocate before step 1: the optimizer state (unless `state`
+    is False: it lives elsewhere, on parameter servers), and on GPU with `reserve_memory`
+    the caching allocator's hold on the step's peak (`reserve_target`)."""
+    reason = preallocate_optimizer_state(optimizer) if state else "held by the servers"
     reserved = 0
     if reserve_memory and device.type == "cuda":
         reserved = reserve(
