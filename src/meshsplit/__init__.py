@@ -12,11 +12,13 @@ from meshsplit.memory.tracker import MemoryBudgetError
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.choose import PlanReport, PlanRow, choose_plan
 from meshsplit.simulate import estimate_memory
+from meshsplit.trainer import History, Trainer
 
 __all__ = [
     "CheckpointError",
     "DesyncError",
     "Engine",
+    "History",
     "InputError",
     "MemoryBudgetError",
     "MemoryEstimate",
@@ -27,6 +29,7 @@ __all__ = [
     "PlanReport",
     "PlanRow",
     "RankEstimate",
+    "Trainer",
     "TrainingStopped",
     "WorkerError",
     "choose_plan",

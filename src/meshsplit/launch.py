@@ -115,17 +115,30 @@ def launch(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     backend: str | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run fn(*args, **kwargs) in nprocs workers joined by torch.distributed; return values by rank.
 
     Inside a torchrun worker, join that job instead and return every rank's value (gathered).
     Raises WorkerError naming the first rank that raised or died.
+
+    start_method "spawn" starts fresh interpreters: fn and its arguments are pickled, and each
+    worker re-runs the caller's main module (hence the `if __name__ == "__main__"` guard).
+    "fork" (POSIX) makes each worker a copy of this process: fn, a lambda or a class defined
+    in the script, and the data it reaches are inherited, not pickled, and nothing re-runs.
+    Fork before this process initialises CUDA (keep the model on the CPU until then).
     """
     kwargs = kwargs or {}
     if in_torchrun():
         return _join_torchrun(fn, args, kwargs, timeout_s, backend)
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} must be a positive integer")
+    if start_method not in ("spawn", "fork"):
+        raise ValueError(f"start_method={start_method!r}; use 'spawn' or 'fork'")
+    if start_method == "fork":
+        _check_fork(nprocs)
+        # device_count asks NVML, which leaves CUDA uninitialised here for the workers
+        backend = backend or ("nccl" if 0 < nprocs <= torch.cuda.device_count() else "gloo")
     backend = backend or default_backend(nprocs)
     store = dist.TCPStore(
         "127.0.0.1",
@@ -135,12 +148,13 @@ def launch(
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    context = get_context("spawn")
+    context: Any = get_context(start_method)  # SpawnContext or ForkContext
+    worker = _forked_worker if start_method == "fork" else _local_worker
     with tempfile.TemporaryDirectory(prefix="meshsplit-") as folder:
         workdir = Path(folder)
         processes = [
             context.Process(
-                target=_local_worker,
+                target=worker,
                 args=(rank, nprocs, store.port, backend, timeout_s, workdir, fn, args, kwargs),
                 name=f"meshsplit-rank{rank}",
             )
@@ -258,6 +272,24 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _check_fork(nprocs: int) -> None:
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            f"cannot fork {nprocs} workers: CUDA is initialised in this process and a forked "
+            "child cannot use it; keep the model on the CPU until the workers start (they move "
+            "it to their GPU), or start the script with torchrun"
+        )
+
+
+def _forked_worker(*args: Any) -> None:
+    """A forked worker runs on a fresh thread: GNU OpenMP keeps the parent's thread team with
+    the thread that forked, and that thread's next parallel region waits forever for threads
+    fork did not copy; a new thread builds its own team."""
+    thread = threading.Thread(target=_local_worker, args=args, name="meshsplit-worker")
+    thread.start()
+    thread.join()
+
+
 def _local_worker(
     rank: int,
     world_size: int,
@@ -334,10 +366,12 @@ def _join_torchrun(
         is_master=rank == 0 and not agent_hosts_store,
         timeout=timeout,
     )
-    # A restarted worker must not meet the keys its previous incarnation left in the store.
+    # A restarted worker must not meet the keys its previous incarnation left in the store,
+    # nor this process's next job (a Trainer's next fit) the keys of the one before.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    prefixed = dist.PrefixStore(f"meshsplit/restart{restart}", store)
-    _job_store.append(dist.PrefixStore(f"meshsplit/job{restart}", store))
+    job = f"{restart}.{len(_job_store)}"
+    prefixed = dist.PrefixStore(f"meshsplit/restart{job}", store)
+    _job_store.append(dist.PrefixStore(f"meshsplit/job{job}", store))
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
