@@ -28,14 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from meshsplit import faults, training
+from meshsplit import faults, training, user_data
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.engine import parallelize
 from meshsplit.faults import InputError
@@ -213,7 +210,7 @@ class Trainer:
                 y = take_rows(targets, slice(start, start + batch_size))
                 output = call_model(self.model, x)
                 total += float(self.loss_fn(output, y)) * rows(y)
-                if _classes(output, y):
+                if user_data.holds_classes(output, y):
                     correct += int((output.argmax(-1) == y).sum())
                     positions += y.numel()
         scores = {"loss": total / count}
@@ -224,7 +221,7 @@ class Trainer:
     @torch.no_grad()
     def predict(self, inputs: Any, *, batch_size: int = 256) -> Any:
         """`trainer.model`'s outputs for `inputs` (eval mode, no grad), in this process."""
-        inputs = _tensors(inputs, _float_dtype(self.model))
+        inputs = user_data.as_tensors(inputs, user_data.float_dtype(self.model))
         with _eval_mode(self.model):
             outputs = [
                 call_model(self.model, take_rows(inputs, slice(start, start + batch_size)))
@@ -235,7 +232,7 @@ class Trainer:
     def _checked(self, dataset: Any, name: str) -> tuple[Any, Any]:
         """`dataset` as (inputs, targets) tensors, refused with InputError when the model
         cannot take it: it runs on 2 rows (eval mode, no grad), then the loss."""
-        inputs, targets = _pair(dataset, name, _float_dtype(self.model))
+        inputs, targets = user_data.as_pair(dataset, name, user_data.float_dtype(self.model))
         if rows(inputs) != rows(targets):
             raise InputError(
                 f"{name} has {rows(inputs)} inputs but {rows(targets)} targets; give one "
@@ -243,7 +240,7 @@ class Trainer:
             )
         x, y = take_rows(inputs, slice(0, 2)), take_rows(targets, slice(0, 2))
         output = self._probe(name, x, lambda: call_model(self.model, x))
-        _check_classes(self.loss_fn, output, targets, name)  # all labels, not only 2 rows
+        user_data.check_classes(self.loss_fn, output, targets, name)  # all labels, not only 2 rows
         loss = self._probe(name, x, lambda: self.loss_fn(output, y))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise InputError(f"loss_fn must return one number (a 0-dim tensor); got {loss!r}")
@@ -276,89 +273,6 @@ def _factory(optimizer: Optimizer | None) -> Callable[[Iterable[nn.Parameter]], 
     if not callable(optimizer):
         raise TypeError(f"optimizer must be a function of the parameters; got {optimizer!r}")
     return optimizer
-
-
-def _pair(dataset: Any, name: str, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(inputs, targets) as tensors from a pair or a torch Dataset of pairs."""
-    if isinstance(dataset, DataLoader):
-        raise TypeError(
-            f"{name} is a DataLoader: pass its dataset and batch size instead, "
-            "fit(loader.dataset, batch_size=loader.batch_size)"
-        )
-    if isinstance(dataset, (Dataset, IterableDataset)):
-        items = list(dataset) if isinstance(dataset, IterableDataset) else _items(dataset)
-        if not items:
-            raise InputError(f"{name} is empty")
-        dataset = default_collate(items)
-    if not isinstance(dataset, (tuple, list)) or len(dataset) != 2:
-        raise TypeError(
-            f"{name} must be (inputs, targets) or a torch Dataset of (input, target) pairs; "
-            f"got {type(dataset).__name__}"
-            + (f" of {len(dataset)} items" if isinstance(dataset, (tuple, list)) else "")
-        )
-    inputs, targets = (_tensors(part, dtype) for part in dataset)
-    targets = pytree.tree_map(_long_labels, targets)
-    return inputs, targets
-
-
-def _items(dataset: Dataset[Any]) -> list[Any]:
-    if not hasattr(dataset, "__len__"):
-        raise TypeError(f"a map-style Dataset needs __len__; {type(dataset).__name__} has none")
-    return [dataset[index] for index in range(len(dataset))]
-
-
-def _tensors(tree: Any, dtype: torch.dtype) -> Any:
-    """NumPy arrays become tensors; floating tensors take the model's floating dtype (as a
-    Keras layer casts its inputs to its own dtype)."""
-
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, np.ndarray):
-            leaf = torch.from_numpy(leaf)
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != dtype:
-            leaf = leaf.to(dtype)
-        return leaf
-
-    return pytree.tree_map(one, tree)
-
-
-def _long_labels(leaf: Any) -> Any:
-    """Integer labels as int64, the dtype PyTorch's classification losses take."""
-    if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and leaf.dtype != torch.bool:
-        return leaf.long()
-    return leaf
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype:
-    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    return floats[0] if floats else torch.get_default_dtype()
-
-
-def _classes(output: Any, targets: Any) -> bool:
-    """Whether `output` holds class scores for integer `targets` (last dimension: classes)."""
-    return (
-        isinstance(output, torch.Tensor)
-        and isinstance(targets, torch.Tensor)
-        and not targets.is_floating_point()
-        and output.shape[:-1] == targets.shape
-    )
-
-
-def _check_classes(loss_fn: LossFn, output: Any, targets: Any, name: str) -> None:
-    """Class labels outside the model's classes, refused for the whole dataset at once."""
-    if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
-        return
-    if not isinstance(output, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        return
-    if targets.is_floating_point() or output.dim() < 2:
-        return  # class probabilities, or one unbatched row
-    classes = output.shape[1]
-    labels = targets[targets != loss_fn.ignore_index]
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-        raise InputError(
-            f"{name} has class labels {int(labels.min())}..{int(labels.max())} but the model "
-            f"gives {classes} classes (output {tuple(output.shape)}); labels must lie in "
-            f"0..{classes - 1}"
-        )
 
 
 class _eval_mode:  # noqa: N801 - used as a context manager, like torch.no_grad
