@@ -313,9 +313,14 @@ class ParameterServer:
 
     def _ready(self) -> bool:
         """Whether the oldest update has its pushes and leaves no computing worker more than
-        `staleness` updates behind."""
+        `staleness` updates behind; or, when every worker waits on this server (for an answer
+        or a flush) so that no push is coming, whether it has any."""
+        if not self.updates:
+            return False
+        if not self.computing:
+            return self.updates[0].count > 0
         need = len(self.workers) - len(self.done)
-        if not self.updates or self.updates[0].count < need:
+        if self.updates[0].count < need:
             return False
         return all(self.version + 1 - held <= self.staleness for held in self.computing.values())
 
