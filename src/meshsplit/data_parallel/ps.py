@@ -317,7 +317,8 @@ class ParameterServer:
         or a flush) so that no push is coming, whether it has any."""
         if not self.updates:
             return False
-        if not self.computing:
+        held_back = all(self.waiting[w] > self.staleness for w in self.asking)
+        if not self.computing and held_back:  # nobody can push before this update
             return self.updates[0].count > 0
         need = len(self.workers) - len(self.done)
         if self.updates[0].count < need:
