@@ -2,13 +2,16 @@
 
 The MLP 784-1024-512-256-10 on digits, 4 workers, global batch 64, Adam (lr 1e-3), for the
 same number of updates U (the same samples: U x 64). dp all-reduce (4 processes), then
-parameter servers (4 workers + 1 server) synchronous and with staleness 1, 2 and 4. With a
-straggler, worker 3 sleeps after each step as long as the step took: half speed. Under
+parameter servers (4 workers + 1 server) synchronous and with staleness 1, 2 and 4. Every
+worker's step also waits `--device-ms` (default 30 ms), standing for accelerator time that
+the host's cores do not spend: without it, 5 processes on a 2-core host are bound by the
+cores, not by who waits for whom (`--device-ms 0` measures that case). With a straggler,
+worker 3 then sleeps as long again as its whole step took: half speed. Under
 staleness K > 0 every worker trains until the servers have made U updates, so the fast
 workers give the pushes the straggler does not. Prints samples/s (samples in those updates
 over the wall time of the slowest worker), the ratio to all-reduce under the same
 condition, the most updates a push was behind, and test accuracy after the U updates.
-Run: python benchmarks/bench_parameter_server.py [--updates U]
+Run: python benchmarks/bench_parameter_server.py [--updates U] [--device-ms D]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def _adam(params) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def _train(plan: ms.Plan, updates: int, straggle: bool) -> dict[str, float]:
+def _train(plan: ms.Plan, updates: int, straggle: bool, device_s: float) -> dict[str, float]:
     """Runs in every process: train until the model has had `updates` updates."""
     torch.manual_seed(0)
     engine = ms.parallelize(ms.models.mlp(), plan, optimizer=_adam)
@@ -46,6 +49,7 @@ def _train(plan: ms.Plan, updates: int, straggle: bool) -> dict[str, float]:
         picked = order[(steps % per_epoch) * BATCH : (steps % per_epoch + 1) * BATCH]
         began = time.perf_counter()
         engine.train_step(x[picked], y[picked])
+        time.sleep(device_s)
         if straggle and dist.get_rank() == STRAGGLER:
             time.sleep(time.perf_counter() - began)  # as long again: half speed
         steps += 1
@@ -62,8 +66,9 @@ def _updates_made(engine: ms.Engine, steps: int) -> int:
     return steps
 
 
-def _run(plan: ms.Plan, updates: int, straggle: bool) -> dict[str, float]:
-    results = ms.launch(_train, plan.world_size, args=(plan, updates, straggle), timeout_s=600)
+def _run(plan: ms.Plan, updates: int, straggle: bool, device_s: float) -> dict[str, float]:
+    args = (plan, updates, straggle, device_s)
+    results = ms.launch(_train, plan.world_size, args=args, timeout_s=600)
     workers, servers = results[: plan.dp], results[plan.dp :]
     seconds = max(w["seconds"] for w in workers)
     pushes = servers[0]["pushes"] if servers else updates * plan.dp
@@ -79,7 +84,8 @@ def _run(plan: ms.Plan, updates: int, straggle: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--updates", type=int, default=66, help="3 epochs of digits at 64")
+    parser.add_argument("--updates", type=int, default=110, help="5 epochs of digits at 64")
+    parser.add_argument("--device-ms", type=float, default=30.0, help="device time per step")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ps.json"))
     args = parser.parse_args()
     plans = {"all-reduce": ms.Plan(dp=WORKERS)}
@@ -89,9 +95,13 @@ def main() -> None:
     for straggle in (False, True):
         condition = "straggler" if straggle else "even"
         figures[condition] = {
-            name: _run(plan, args.updates, straggle) for name, plan in plans.items()
+            name: _run(plan, args.updates, straggle, args.device_ms / 1e3)
+            for name, plan in plans.items()
         }
-    table = Table(title=f"MLP on digits, {WORKERS} workers, batch {BATCH}, {args.updates} updates")
+    table = Table(
+        title=f"MLP on digits, {WORKERS} workers, batch {BATCH}, {args.updates} updates, "
+        f"{args.device_ms:g} ms device time a step"
+    )
     for column in ("workers", "plan", "samples/s", "vs all-reduce", "steps fast/slow",
                    "most behind", "test accuracy"):  # fmt: skip
         table.add_column(column, justify="right")

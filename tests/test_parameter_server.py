@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import meshsplit as ms
 from meshsplit.compare import CompareConfig, _row, candidate_plans, reference_losses
-from meshsplit.data_parallel.ps import cut_points, pieces, server_ranges
+from meshsplit.data_parallel.ps_layout import cut_points, pieces, server_ranges
 
 from cli_runner import run_meshsplit
 from reference import OPTIMIZERS, assert_matches, build, train_parallel, train_single
@@ -182,3 +182,40 @@ def test_train_command_runs_asynchronous_parameter_servers(tmp_path) -> None:
         "train", "--sync", "ps", "--servers", "0", "--dp", "2", "--epochs", "1", timeout=60
     )
     assert refused.returncode == 2 and "servers=0 must be a positive integer" in refused.stderr
+    refused = run_meshsplit(
+        "train", "--sync", "ps", "--dp", "2", "--checkpoint-dir", str(tmp_path), timeout=60
+    )
+    assert refused.returncode == 2 and "--sync ps takes neither --checkpoint-dir" in refused.stderr
+
+
+def _refusals(directory: str) -> list[str]:
+    plan = ms.Plan(dp=1, sync="ps")
+    refused = []
+    try:
+        ms.parallelize(lambda: build("small_mlp"), plan)
+    except ms.PlanError as error:  # every rank, the server too, refuses a factory
+        refused.append(str(error))
+    engine = ms.parallelize(build("small_mlp"), plan)
+    for attempt in (engine.save, engine.load):
+        try:
+            attempt(directory)
+        except ms.PlanError as error:
+            refused.append(str(error))
+    engine.close()
+    return refused
+
+
+def test_factories_and_checkpoints_are_refused_under_parameter_servers(tmp_path) -> None:
+    worker, server = ms.launch(_refusals, 2, args=(str(tmp_path),), timeout_s=60)
+    assert len(worker) == 3
+    assert "pass the built model, not a factory" in worker[0]
+    assert all("the optimizer state lives on the parameter servers" in r for r in worker[1:])
+    assert server["updates"] == 0
+
+
+def test_parameter_servers_need_gloo(monkeypatch) -> None:
+    from meshsplit.data_parallel import ps
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ms.PlanError, match="sync='ps' runs on the gloo backend"):
+        ps.check_backend()

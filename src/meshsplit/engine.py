@@ -39,7 +39,7 @@ from meshsplit.data_parallel import (
     shard_optimizer,
     shard_state,
 )
-from meshsplit.launch import LeaveJob, before_exit, job_store
+from meshsplit.launch import before_exit, job_store
 from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import compress, offload, pools, reclaim, recompute
 from meshsplit.memory.report import (
@@ -83,7 +83,7 @@ def parallelize(
     layer split profiles it, both on one micro-batch: `example_inputs` (a tensor or a
     dict/tuple of them), or else the first batch the engine sees.
     """
-    _refuse_after_servers_left()
+    ps.refuse_after_servers_left()
     mesh = Mesh.build(plan)
     lazy = lazy_model.is_lazy(model)
     if lazy and plan.sync == "ps":
@@ -101,7 +101,7 @@ def parallelize(
         model = model.to(mesh.device)
         broadcast_from_first_rank(model)
     if mesh.is_server:
-        _serve(model, plan, optimizer or _default_optimizer)
+        ps.serve(model, plan, optimizer or _default_optimizer, pools.preallocate_optimizer_state)
     reset_peak(mesh.device)
     share_random_stream(mesh)
     engine = Engine(
@@ -120,41 +120,6 @@ def parallelize(
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
-
-
-_SERVED = "ps/served"
-"""The job-store key a parameter server sets: it will leave the job after this engine."""
-
-
-def _refuse_after_servers_left() -> None:
-    """A job whose parameter servers served an engine has lost those processes: a new
-    engine's collectives would wait for them forever."""
-    store = job_store()
-    if store is not None and store.check([_SERVED]):
-        raise PlanError(
-            "this job's parameter servers served an engine and left it (they leave once its "
-            "workers close it): build one sync='ps' engine per ms.launch (or Trainer.fit), "
-            "and no other engine after it"
-        )
-
-
-def _serve(model: nn.Module, plan: Plan, make_optimizer: OptimizerFactory) -> None:
-    """A parameter server's whole part: hold its tensors to the budget, serve the workers
-    until all are done, then leave the job's function with what it did."""
-    store = job_store()
-    if store is not None:
-        store.set(_SERVED, str(dist.get_rank()))
-    server = ps.ParameterServer(model.parameters(), plan, make_optimizer)
-    pools.preallocate_optimizer_state(server.optimizer)
-    budget, held = plan.budget_bytes, server.held_bytes()
-    if budget is not None and held > budget:
-        raise PlanError(
-            f"parameter server rank {dist.get_rank()} ({plan.describe()}) needs {held:,} bytes "
-            f"for its parameters, their gradient sums and optimizer state, over "
-            f"Plan.memory_budget={plan.memory_budget!r}; use more servers (servers="
-            f"{plan.server_count * -(-held // budget)}) or a larger budget"
-        )
-    raise LeaveJob({"server": dist.get_rank() - plan.dp, "held_bytes": held, **server.serve()})
 
 
 class Engine:

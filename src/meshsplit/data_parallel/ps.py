@@ -1,11 +1,13 @@
 """Parameter servers: S processes own the parameters and run the optimizer; workers pull
 parameters and push gradients (TensorFlow's ParameterServerStrategy, on torch.distributed).
 
-Each trainable tensor belongs to one server: whole tensors, dealt largest first to the least
-loaded server, so each holds about 1/S of the bytes and a per-tensor optimizer (Adam, SGD,
-LAMB) updates exactly as in one process. A push is one worker's gradient of its share of a
-global batch (pre-scaled by its rows, as under all-reduce), so `dp` pushes sum to a global
-batch's gradient; an update is that sum followed by one step of the user's optimizer.
+The trainable parameters, flattened in model order, are cut into S equal ranges at row
+boundaries (a large weight may be split between two servers, as TensorFlow's partitioned
+variables are); each server runs the user's optimizer on its range, each part of a tensor a
+parameter of its own (exact for element-wise optimizers: SGD, Adam). A push is one worker's
+gradient of its share of a global batch (pre-scaled by its rows, as under all-reduce), so
+`dp` pushes sum to a global batch's gradient; an update is that sum followed by one step of
+the user's optimizer.
 
     staleness 0   an update waits for one push from every worker, all computed on the newest
                   parameters, and a worker's next pull waits for the update: exactly one
@@ -24,7 +26,6 @@ those receives before it pushes, so a server's answer never waits for a busy wor
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshsplit.data_parallel.ps_layout import pieces, server_ranges
+from meshsplit.launch import LeaveJob, job_store
 from meshsplit.plan import Plan, PlanError
 
 __all__: list[str] = []
@@ -44,57 +47,6 @@ PUSH, FLUSH, DONE = 1, 2, 3
 newest parameters once every worker asks (pending pushes applied first), a worker's end."""
 HEADER, GRADIENT, VERSION, PARAMETERS = 11, 12, 13, 14
 """Message tags."""
-
-
-def cut_points(shapes: Sequence[tuple[int, ...]], servers: int) -> list[int]:
-    """Where each server's range of the flattened parameters begins (and the last ends):
-    `servers` + 1 offsets, each equal share moved to the nearest row boundary."""
-    starts = [0]
-    for shape in shapes:
-        starts.append(starts[-1] + math.prod(shape))
-    total, cuts = starts[-1], [0]
-    for k in range(1, servers):
-        target = round(k * total / servers)
-        index = max(i for i in range(len(shapes)) if starts[i] <= target)
-        row = math.prod(shapes[index][1:]) if shapes[index] else math.prod(shapes[index])
-        cut = starts[index] + round((target - starts[index]) / row) * row
-        cuts.append(min(max(cut, cuts[-1]), total))
-    cuts.append(total)
-    return cuts
-
-
-def pieces(shapes: Sequence[tuple[int, ...]], low: int, high: int) -> list[tuple[int, tuple]]:
-    """The parts of the parameters inside [low, high) of the flattened model, each as
-    (offset from low, shape): whole tensors, or a run of rows of one cut at a boundary."""
-    found, start = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        first, last = max(start, low), min(start + size, high)
-        if first < last:
-            rows = (last - first) // math.prod(shape[1:]) if shape else 1
-            found.append((first - low, shape if last - first == size else (rows, *shape[1:])))
-        start += size
-    return found
-
-
-def server_ranges(params: Sequence[nn.Parameter], plan: Plan) -> list[tuple[int, int]]:
-    """Each server's [low, high) of the flattened trainable parameters: about 1/S each."""
-    kinds = {(p.dtype, p.device) for p in params}
-    if len(kinds) > 1:
-        raise PlanError(
-            f"sync='ps' sends each server's part of the parameters as one message, so they "
-            f"need one dtype and device; this model has {sorted(str(k) for k in kinds)}; "
-            "cast the model (model.float()) or use sync='allreduce'"
-        )
-    cuts = cut_points([tuple(p.shape) for p in params], plan.server_count)
-    ranges = list(itertools.pairwise(cuts))
-    if any(low == high for low, high in ranges):
-        raise PlanError(
-            f"Plan.servers={plan.server_count} leaves a server without parameters: this "
-            f"model's {cuts[-1]:,} trainable values split at row boundaries into fewer "
-            "parts; use fewer servers"
-        )
-    return ranges
 
 
 def flat_views(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -354,3 +306,44 @@ class ParameterServer:
         dist.send(torch.tensor([self.version], dtype=torch.int64), dst=worker, tag=VERSION)
         dist.send(self.flat, dst=worker, tag=PARAMETERS)
         self.computing[worker] = self.version
+
+
+_SERVED = "ps/served"
+"""The job-store key a parameter server sets: it will leave the job after this engine."""
+
+
+def refuse_after_servers_left() -> None:
+    """A job whose parameter servers served an engine has lost those processes: a new
+    engine's collectives would wait for them forever."""
+    store = job_store()
+    if store is not None and store.check([_SERVED]):
+        raise PlanError(
+            "this job's parameter servers served an engine and left it (they leave once its "
+            "workers close it): build one sync='ps' engine per ms.launch (or Trainer.fit), "
+            "and no other engine after it"
+        )
+
+
+def serve(
+    model: nn.Module,
+    plan: Plan,
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    make_state: Callable[[torch.optim.Optimizer], object],
+) -> None:
+    """A parameter server's whole part: hold its tensors to the budget, serve the workers
+    until all are done, then leave the job's function with what it did. `make_state` makes
+    the optimizer's state now, so its bytes count against the budget."""
+    store = job_store()
+    if store is not None:
+        store.set(_SERVED, str(dist.get_rank()))
+    server = ParameterServer(model.parameters(), plan, make_optimizer)
+    make_state(server.optimizer)
+    budget, held = plan.budget_bytes, server.held_bytes()
+    if budget is not None and held > budget:
+        raise PlanError(
+            f"parameter server rank {dist.get_rank()} ({plan.describe()}) needs {held:,} bytes "
+            f"for its parameters, their gradient sums and optimizer state, over "
+            f"Plan.memory_budget={plan.memory_budget!r}; use more servers (servers="
+            f"{plan.server_count * -(-held // budget)}) or a larger budget"
+        )
+    raise LeaveJob({"server": dist.get_rank() - plan.dp, "held_bytes": held, **server.serve()})
