@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from test_hf_models import _batches, _build, _loss, _sgd, _single
 
 import meshsplit as ms
 from meshsplit.compare import CompareConfig, _row, candidate_plans, reference_losses
@@ -219,3 +220,19 @@ def test_parameter_servers_need_gloo(monkeypatch) -> None:
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(ms.PlanError, match="sync='ps' runs on the gloo backend"):
         ps.check_backend()
+
+
+def _hugging_face(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    plan = ms.Plan(dp=2, sync="ps", servers=2)
+    engine = ms.parallelize(_build(model), plan, optimizer=_sgd, loss_fn=_loss(model))
+    losses = [engine.train_step(x, y) for x, y in _batches(model)]
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state
+
+
+@pytest.mark.parametrize("model", ["gpt2", "resnet"])  # tied embeddings; BatchNorm
+def test_hugging_face_models_under_synchronous_servers_match_one_process(model: str) -> None:
+    *workers, first, second = ms.launch(_hugging_face, 4, args=(model,))
+    assert_matches(workers, _single(model))
+    assert abs(first["held_bytes"] - second["held_bytes"]) < 0.1 * first["held_bytes"]
