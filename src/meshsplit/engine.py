@@ -8,10 +8,9 @@ micro-batch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, faults, lazy_model, phases, tensor, training
+from meshsplit import checkpoint, lazy_model, phases, tensor, training
 from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
 from meshsplit.batchnorm import (
     batchnorm_state,
@@ -39,7 +38,8 @@ from meshsplit.data_parallel import (
     shard_optimizer,
     shard_state,
 )
-from meshsplit.launch import before_exit, job_store
+from meshsplit.guard import StepGuard
+from meshsplit.launch import before_exit
 from meshsplit.lazy_model import ModelSource
 from meshsplit.memory import compress, offload, pools, reclaim, recompute
 from meshsplit.memory.report import (
@@ -156,7 +156,7 @@ class Engine:
         self._pending_load: Path | None = None
         self._offload: offload.Offload | None = None
         self._closed = False
-        self._watchdog = self._start_watchdog()
+        self._guard = StepGuard(mesh, lambda: {"step": self.steps + 1, "phase": phases.current()})
         self.skipped_steps = 0
         """Steps whose update was dropped for a non-finite loss or gradient (nonfinite='skip')."""
         self.memory = RankMemory(plan, mesh)
@@ -300,20 +300,28 @@ class Engine:
         parts.runner.train(True)
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
         with (
-            self._naming_timeouts(),
+            self._guard.naming_timeouts(),
             self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1),
         ):
             parts.sync.begin_step(parts.runner.backward_passes())
             with (
                 compress.packing(self.plan.compress, parts.runner.module),
                 offload.saved_on_host(self.plan),
-                self._naming_bad_input(inputs),
+                self._guard.naming_bad_input(parts.runner.module, inputs, self.loss_fn),
             ):
                 loss = parts.runner.train_batch(x, y, global_rows)
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
-            finite = self._finite(loss, parts, global_rows)
+            finite = self._guard.finite(
+                self.plan.nonfinite,
+                loss,
+                parts.sync.gradient_tensors(),
+                parts.runner.module.named_parameters(),
+                rows=global_rows,
+                step=self.steps + 1,
+                group=self.peers,
+            )
             if finite:
                 commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
@@ -352,75 +360,13 @@ class Engine:
         if self._apart and isinstance(sync := self._built().sync, ps.ParameterClient):
             sync.flush()
 
-    @functools.cached_property
-    def _where(self) -> str:
-        """This rank and its place on the mesh, for messages."""
-        mesh = self.mesh
-        return (
-            f"rank {dist.get_rank()} (dp {mesh.rank('dp')}, pp stage {mesh.rank('pp')}, "
-            f"tp {mesh.rank('tp')})"
-        )
-
-    def _start_watchdog(self) -> faults.Watchdog | None:
-        """A watchdog for this rank's waits, in a job of several ranks that ms.launch runs."""
-        store = job_store()
-        if store is None or not dist.is_initialized() or dist.get_world_size() == 1:
-            return None
-        return faults.Watchdog(
-            store,
-            self._where,
-            lambda: {"step": self.steps + 1, "phase": phases.current()},
-            warn_s=faults.stall_warning_s(),
-        )
-
-    @contextlib.contextmanager
-    def _naming_timeouts(self) -> Iterator[None]:
-        """A wait the process group's timeout ended becomes a CollectiveTimeout that says
-        what this rank waited for and where the others were (see faults.Watchdog)."""
-        try:
-            yield
-        except RuntimeError as error:
-            explained = faults.explain_collective_error(error, self._watchdog)
-            if explained is None:
-                raise
-            raise explained from error
-
-    @contextlib.contextmanager
-    def _naming_bad_input(self, inputs: Any) -> Iterator[None]:
-        """An error a layer raises on this batch becomes an InputError naming the layer."""
-        try:
-            yield
-        except Exception as error:
-            explained = faults.explain_input_error(
-                error, self._built().runner.module, inputs, self._where, {"loss_fn": self.loss_fn}
-            )
-            if explained is None:
-                raise
-            raise explained from error
-
-    def _finite(self, loss: torch.Tensor, parts: _Parts, global_rows: int) -> bool:
-        """Plan.nonfinite's check of this step's loss and gradients, and that every rank
-        had the same global batch (see faults.py)."""
-        if self.plan.nonfinite == "off":
-            return True
-        return faults.check_step(
-            loss,
-            parts.sync.gradient_tensors(),
-            parts.runner.module.named_parameters(),
-            rows=global_rows,
-            mode=self.plan.nonfinite,
-            step=self.steps + 1,
-            where=self._where,
-            group=self.peers,
-        )
-
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
         """The model's output for `inputs` (eval mode, no grad), in full on every rank."""
         runner = self._built(inputs).runner
         runner.train(False)
         self._newest_parameters()
-        with self._naming_bad_input(inputs):
+        with self._guard.naming_bad_input(runner.module, inputs, self.loss_fn):
             output = runner.forward(self._replica_rows(inputs))
         if self.plan.dp == 1:
             return output
@@ -565,9 +511,7 @@ class Engine:
         staging buffers of a tp group that is the whole world, shared by every engine) stay
         for the caller; the engine then refuses to train."""
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
+        self._guard.close()
         if self._parts is None:
             return
         parts = self._parts

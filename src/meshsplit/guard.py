@@ -1,0 +1,87 @@
+"""One engine's guard over its steps: a watchdog for its waits, and the errors a step raises
+turned into ones that say where and why (the pieces are in faults.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit import faults
+from meshsplit.launch import job_store
+from meshsplit.mesh import Mesh
+
+__all__: list[str] = []
+
+
+class StepGuard:
+    """Names this rank's stalls, bad batches and non-finite values; `position` says where
+    the engine is (step and phase) for the watchdog's posts."""
+
+    def __init__(self, mesh: Mesh, position: Callable[[], dict[str, Any]]) -> None:
+        self.where = (
+            f"rank {dist.get_rank()} (dp {mesh.rank('dp')}, pp stage {mesh.rank('pp')}, "
+            f"tp {mesh.rank('tp')})"
+        )
+        """This rank and its place on the mesh, for messages."""
+        store = job_store()
+        several = dist.is_initialized() and dist.get_world_size() > 1
+        self.watchdog = (  # in a job of several ranks that ms.launch runs
+            faults.Watchdog(store, self.where, position, warn_s=faults.stall_warning_s())
+            if store is not None and several
+            else None
+        )
+
+    @contextlib.contextmanager
+    def naming_timeouts(self) -> Iterator[None]:
+        """A wait the process group's timeout ended becomes a CollectiveTimeout that says
+        what this rank waited for and where the others were (see faults.Watchdog)."""
+        try:
+            yield
+        except RuntimeError as error:
+            explained = faults.explain_collective_error(error, self.watchdog)
+            if explained is None:
+                raise
+            raise explained from error
+
+    @contextlib.contextmanager
+    def naming_bad_input(self, module: nn.Module, inputs: Any, loss_fn: Any) -> Iterator[None]:
+        """An error a layer (or the loss) raises on this batch becomes an InputError naming
+        it."""
+        try:
+            yield
+        except Exception as error:
+            explained = faults.explain_input_error(
+                error, module, inputs, self.where, {"loss_fn": loss_fn}
+            )
+            if explained is None:
+                raise
+            raise explained from error
+
+    def finite(
+        self,
+        mode: str,
+        loss: torch.Tensor,
+        gradients: list[torch.Tensor],
+        named: Iterable[tuple[str, nn.Parameter]],
+        *,
+        rows: int,
+        step: int,
+        group: dist.ProcessGroup | None,
+    ) -> bool:
+        """Plan.nonfinite's check of this step's loss and gradients, and that every rank of
+        `group` had the same global batch (see faults.check_step)."""
+        if mode == "off":
+            return True
+        return faults.check_step(
+            loss, gradients, named, rows=rows, mode=mode, step=step, where=self.where, group=group
+        )
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
