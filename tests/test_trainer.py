@@ -235,3 +235,26 @@ def test_a_worker_error_reaches_the_caller() -> None:
     with pytest.raises(ms.WorkerError, match="no space left") as caught:
         trainer.fit(ms.data.digits("test"), epochs=1, batch_size=64, verbose=0)
     assert caught.value.rank == 1 and caught.value.error_type == "OSError"
+
+
+def test_parameter_server_plan_from_the_trainer_equals_one_process() -> None:
+    train = ms.data.digits("train")
+    train = (train[0][:256], train[1][:256])
+    alone = _small_mlp()
+    optimizer = _sgd(alone.parameters())
+    order = epoch_order(256, 0, 1)
+    for index in range(256 // 64):
+        picked = order[index * 64 : (index + 1) * 64]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(alone(train[0][picked]), train[1][picked]).backward()
+        optimizer.step()
+
+    model = _small_mlp()
+    plan = ms.Plan(dp=2, sync="ps", servers=2)  # 2 workers + 2 servers
+    trainer = ms.Trainer(model, plan, optimizer=_sgd, loss_fn=nn.CrossEntropyLoss())
+    history = trainer.fit(train, epochs=1, batch_size=64, verbose=0)
+    assert [row["epoch"] for row in history] == [1.0]
+    for (key, got), want in zip(
+        model.state_dict().items(), alone.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
