@@ -88,3 +88,33 @@ def cat_rows(trees: list[Any]) -> Any:
         for column in zip(*leaves, strict=True)
     ]
     return pytree.tree_unflatten(joined, spec)
+
+
+def scores(
+    outputs_of: Callable[[Any], Any], loss_fn: LossFn, inputs: Any, targets: Any, batch_size: int
+) -> dict[str, float]:
+    """Mean loss over `inputs` taken `batch_size` rows at a time, and accuracy (argmax of the
+    last dimension) where the outputs are class scores for integer targets."""
+    total, correct, positions, count = 0.0, 0, 0, rows(inputs)
+    for start in range(0, count, batch_size):
+        x = take_rows(inputs, slice(start, start + batch_size))
+        y = take_rows(targets, slice(start, start + batch_size))
+        output = outputs_of(x)
+        total += float(loss_fn(output, y)) * rows(y)
+        if _holds_classes(output, y):
+            correct += int((output.argmax(-1) == y).sum())
+            positions += y.numel()
+    result = {"loss": total / count}
+    if positions:
+        result["accuracy"] = correct / positions
+    return result
+
+
+def _holds_classes(output: Any, targets: Any) -> bool:
+    """Whether `output` holds class scores for integer `targets` (last dimension: classes)."""
+    return (
+        isinstance(output, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and not targets.is_floating_point()
+        and output.shape[:-1] == targets.shape
+    )

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit import checkpoint, lazy_model, phases, tensor, training
-from meshsplit.batch import LossFn, rows, split_rows, take_rows, to_device
+from meshsplit.batch import LossFn, rows, scores, split_rows, to_device
 from meshsplit.batchnorm import (
     batchnorm_state,
     commit_batchnorm,
@@ -376,20 +376,11 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any, batch_size: int = 512) -> dict[str, float]:
-        """Mean loss and accuracy (argmax of the last dimension, for tensor outputs)."""
-        total_loss, correct, positions, count = 0.0, 0, 0, rows(inputs)
-        for start in range(0, count, batch_size):
-            x = take_rows(inputs, slice(start, start + batch_size))
-            y = take_rows(targets, slice(start, start + batch_size))
-            output = to_device(self.predict(x), torch.device("cpu"))
-            total_loss += float(self.loss_fn(output, y)) * rows(y)
-            if isinstance(output, torch.Tensor) and isinstance(y, torch.Tensor):
-                correct += int((output.argmax(-1) == y).sum())
-                positions += y.numel()
-        scores = {"loss": total_loss / count}
-        if positions:
-            scores["accuracy"] = correct / positions
-        return scores
+        """Mean loss, and accuracy where the outputs are class scores (see batch.scores)."""
+        cpu = torch.device("cpu")
+        return scores(
+            lambda x: to_device(self.predict(x), cpu), self.loss_fn, inputs, targets, batch_size
+        )
 
     def fit(
         self,

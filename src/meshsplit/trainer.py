@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit import faults, training, user_data
-from meshsplit.batch import LossFn, call_model, rows, take_rows
+from meshsplit.batch import LossFn, call_model, rows, scores, take_rows
 from meshsplit.engine import parallelize
 from meshsplit.faults import InputError
 from meshsplit.launch import DEFAULT_TIMEOUT_S, WorkerError, in_torchrun, launch
@@ -203,20 +203,10 @@ class Trainer:
 
         Accuracy: the argmax of the last dimension against integer targets."""
         inputs, targets = self._checked(dataset, "dataset")
-        total, correct, positions, count = 0.0, 0, 0, rows(inputs)
         with _eval_mode(self.model):
-            for start in range(0, count, batch_size):
-                x = take_rows(inputs, slice(start, start + batch_size))
-                y = take_rows(targets, slice(start, start + batch_size))
-                output = call_model(self.model, x)
-                total += float(self.loss_fn(output, y)) * rows(y)
-                if user_data.holds_classes(output, y):
-                    correct += int((output.argmax(-1) == y).sum())
-                    positions += y.numel()
-        scores = {"loss": total / count}
-        if positions:
-            scores["accuracy"] = correct / positions
-        return scores
+            return scores(
+                lambda x: call_model(self.model, x), self.loss_fn, inputs, targets, batch_size
+            )
 
     @torch.no_grad()
     def predict(self, inputs: Any, *, batch_size: int = 256) -> Any:

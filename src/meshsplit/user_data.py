@@ -77,16 +77,6 @@ def float_dtype(model: nn.Module) -> torch.dtype:
     return floats[0] if floats else torch.get_default_dtype()
 
 
-def holds_classes(output: Any, targets: Any) -> bool:
-    """Whether `output` holds class scores for integer `targets` (last dimension: classes)."""
-    return (
-        isinstance(output, torch.Tensor)
-        and isinstance(targets, torch.Tensor)
-        and not targets.is_floating_point()
-        and output.shape[:-1] == targets.shape
-    )
-
-
 def check_classes(loss_fn: LossFn, output: Any, targets: Any, name: str) -> None:
     """Class labels outside the model's classes, refused for the whole dataset at once."""
     if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
