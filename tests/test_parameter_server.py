@@ -236,3 +236,9 @@ def test_hugging_face_models_under_synchronous_servers_match_one_process(model: 
     *workers, first, second = ms.launch(_hugging_face, 4, args=(model,))
     assert_matches(workers, _single(model))
     assert abs(first["held_bytes"] - second["held_bytes"]) < 0.1 * first["held_bytes"]
+
+
+def test_the_memory_estimate_says_it_does_not_cover_parameter_servers() -> None:
+    model, (x, y) = build("small_mlp"), ms.data.synthetic_images(16)
+    with pytest.raises(ms.PlanError, match="the memory estimate covers sync='allreduce' plans"):
+        ms.estimate_memory(model, ms.Plan(dp=2, sync="ps"), (x, y))

@@ -311,8 +311,9 @@ def train(args: argparse.Namespace) -> None:
             f"per step, the fastest of {len(report.rows)} plans for {args.devices} devices"
         )
     batch = _first_batch(args.model, plan, args.batch_size)
-    # refuse before launch what will not fit (the planner's choice was estimated already)
-    if plan.memory_budget is not None and chosen is None:
+    # refuse before launch what will not fit (the planner's choice was estimated already;
+    # parameter servers hold themselves to the budget when they start)
+    if plan.memory_budget is not None and chosen is None and plan.sync != "ps":
         optimizer = functools.partial(_adam, lr=args.lr)
         estimate_memory(
             build_model(args.model), plan, batch, optimizer=optimizer, loss_fn=loss_for(args.model)

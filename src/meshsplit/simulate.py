@@ -28,7 +28,7 @@ from meshsplit.lazy_model import ModelSource
 from meshsplit.memory.estimate import MemoryEstimate, RankEstimate, find_fix
 from meshsplit.pipeline.p2p import TensorMeta
 from meshsplit.pipeline.runner import PipelineRunner
-from meshsplit.plan import Plan
+from meshsplit.plan import Plan, PlanError
 from meshsplit.rank_memory import counting_only
 
 __all__ = ["estimate_memory"]
@@ -58,6 +58,13 @@ def estimate_memory(
         raise RuntimeError(
             "estimate_memory simulates every rank in one process, before workers start: "
             "call it outside ms.launch (or before init_process_group)"
+        )
+    if plan.sync == "ps":
+        raise PlanError(
+            f"the memory estimate covers sync='allreduce' plans; {plan.describe()} keeps the "
+            "whole model and its gradients on every worker, and its servers hold about 1/S of "
+            "the parameters with their optimizer state each (they check Plan.memory_budget "
+            "themselves when they start)"
         )
     inputs, targets = batch
     plan.check_batch(rows(inputs))
