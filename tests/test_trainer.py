@@ -166,18 +166,29 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def test_weights_land_in_the_callers_model_and_fit_continues() -> None:
-    train = ms.data.digits("train")
-    train = (train[0][:512], train[1][:512])
+def _digits(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = ms.data.digits("train")
+    return inputs[:samples], targets[:samples]
+
+
+def _alone(train: tuple[torch.Tensor, torch.Tensor], epochs: int) -> nn.Module:
+    """The small MLP trained in this process on the batches fit draws (batch 64, seed 0)."""
     alone = _small_mlp()
     optimizer = _sgd(alone.parameters())
-    for epoch in (1, 2):
-        order = epoch_order(512, 0, epoch)
-        for index in range(512 // 64):
+    samples = len(train[0])
+    for epoch in range(1, epochs + 1):
+        order = epoch_order(samples, 0, epoch)
+        for index in range(samples // 64):
             picked = order[index * 64 : (index + 1) * 64]
             optimizer.zero_grad()
             nn.functional.cross_entropy(alone(train[0][picked]), train[1][picked]).backward()
             optimizer.step()
+    return alone
+
+
+def test_weights_land_in_the_callers_model_and_fit_continues() -> None:
+    train = _digits(512)
+    alone = _alone(train, epochs=2)
 
     model = _small_mlp()
     trainer = ms.Trainer(model, ms.Plan(dp=2), optimizer=_sgd, loss_fn=nn.CrossEntropyLoss())
@@ -238,16 +249,8 @@ def test_a_worker_error_reaches_the_caller() -> None:
 
 
 def test_parameter_server_plan_from_the_trainer_equals_one_process() -> None:
-    train = ms.data.digits("train")
-    train = (train[0][:256], train[1][:256])
-    alone = _small_mlp()
-    optimizer = _sgd(alone.parameters())
-    order = epoch_order(256, 0, 1)
-    for index in range(256 // 64):
-        picked = order[index * 64 : (index + 1) * 64]
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(alone(train[0][picked]), train[1][picked]).backward()
-        optimizer.step()
+    train = _digits(256)
+    alone = _alone(train, epochs=1)
 
     model = _small_mlp()
     plan = ms.Plan(dp=2, sync="ps", servers=2)  # 2 workers + 2 servers
