@@ -69,7 +69,7 @@ def _updates_made(engine: ms.Engine, steps: int) -> int:
 def _run(plan: ms.Plan, updates: int, straggle: bool, device_s: float) -> dict[str, float]:
     args = (plan, updates, straggle, device_s)
     results = ms.launch(_train, plan.world_size, args=args, timeout_s=600)
-    workers, servers = results[: plan.dp], results[plan.dp :]
+    workers, servers = results[: plan.mesh_size], results[plan.mesh_size :]
     seconds = max(w["seconds"] for w in workers)
     pushes = servers[0]["pushes"] if servers else updates * plan.dp
     return {

@@ -351,8 +351,7 @@ def train(args: argparse.Namespace) -> None:
         )
         options["predicted"] = timeline.predicted_events(prediction)
     results = launch(_train_worker, plan.world_size, args=(options,))
-    servers = results[plan.world_size - plan.server_count :]  # parameter servers' summaries
-    results = results[: plan.world_size - plan.server_count]
+    results, servers = results[: plan.mesh_size], results[plan.mesh_size :]  # servers' summaries
     history = results[0]["history"]
     last = history[-1] if history else {"loss": None, "samples_per_second": None}
     metrics = {

@@ -266,8 +266,7 @@ def _row(
         if error.error_type != "PlanError":
             raise
         return {**row, "refused": error.message}
-    servers = results[plan.world_size - plan.server_count :]
-    results = results[: plan.world_size - plan.server_count]  # the workers'
+    results, servers = results[: plan.mesh_size], results[plan.mesh_size :]
     losses = results[0]["losses"]
     slowest = max(result["seconds"] for result in results)
     # What training added on each rank: the process peak less what torch held before it.

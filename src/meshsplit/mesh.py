@@ -47,7 +47,7 @@ class Mesh:
         )
         shape = (plan.dp, plan.pp, plan.tp)
         if plan.server_count:  # the workers' mesh; the servers (the last ranks) stand beside it
-            workers = torch.arange(plan.dp * plan.pp * plan.tp).view(shape)
+            workers = torch.arange(plan.mesh_size).view(shape)
             device_mesh = DeviceMesh(device.type, workers, mesh_dim_names=AXES)
         else:
             device_mesh = init_device_mesh(device.type, shape, mesh_dim_names=AXES)

@@ -234,9 +234,14 @@ class Plan:
         return self.checkpoint == "auto" and self.memory_budget is not None
 
     @property
+    def mesh_size(self) -> int:
+        """Processes on the dp x pp x tp mesh (the workers): global ranks 0 .. mesh_size-1."""
+        return self.dp * self.pp * self.tp
+
+    @property
     def world_size(self) -> int:
-        """Processes this plan needs: the mesh's, and the parameter servers'."""
-        return self.dp * self.pp * self.tp + self.server_count
+        """Processes this plan needs: the mesh's, and the parameter servers' after them."""
+        return self.mesh_size + self.server_count
 
     def check_world(self, world_size: int) -> None:
         """Refuse a plan whose mesh does not cover exactly `world_size` processes."""

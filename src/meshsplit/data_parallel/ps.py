@@ -66,11 +66,11 @@ def trainable(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
 
 
 def worker_ranks(plan: Plan) -> list[int]:
-    return list(range(plan.dp))
+    return list(range(plan.mesh_size))
 
 
 def server_ranks(plan: Plan) -> list[int]:
-    return list(range(plan.dp, plan.dp + plan.server_count))
+    return list(range(plan.mesh_size, plan.world_size))
 
 
 def check_backend() -> None:
