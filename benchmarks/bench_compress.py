@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 import meshsplit as ms
+from meshsplit.job.traffic import count_traffic
 from meshsplit.memory.tracker import CATEGORIES
-from meshsplit.traffic import count_traffic
 
 from rounds import take_turns
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from meshsplit import compare_report
-from meshsplit.compare import CompareConfig, compare
+from meshsplit.cli import compare_report
+from meshsplit.cli.compare import CompareConfig, compare
 
 
 def main() -> None:

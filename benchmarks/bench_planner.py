@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshsplit.compare import CompareConfig, accuracy, compare
+from meshsplit.cli.compare import CompareConfig, accuracy, compare
 
 
 def main() -> None:

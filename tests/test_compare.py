@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from meshsplit.compare import CompareConfig, candidate_plans
-from meshsplit.traffic import count_traffic
+from meshsplit.cli.compare import CompareConfig, candidate_plans
+from meshsplit.job.traffic import count_traffic
 
 from cli_runner import run_meshsplit
 
@@ -71,7 +71,7 @@ def test_compare_writes_three_files_and_every_plan_matches(tmp_path) -> None:
 
 
 def test_a_plan_the_batch_cannot_take_is_listed_as_refused() -> None:
-    from meshsplit.compare import _row
+    from meshsplit.cli.compare import _row
     from meshsplit.plan import Plan
 
     config = CompareConfig(model="mlp", devices=3, batch_size=64)

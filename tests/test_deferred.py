@@ -19,7 +19,7 @@ import torch
 import transformers
 from torch import nn
 
-from meshsplit.deferred import DeferredInitError, is_recorded, materialize, record
+from meshsplit.memory.deferred import DeferredInitError, is_recorded, materialize, record
 
 
 def gpt2() -> nn.Module:
@@ -232,7 +232,7 @@ def test_record_memory_stays_near_one_tensor() -> None:
         """
         import json, re, torch
         from torch import nn
-        from meshsplit.deferred import materialize, record
+        from meshsplit.memory.deferred import materialize, record
 
         def peak():
             status = open("/proc/self/status").read()

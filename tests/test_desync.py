@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import meshsplit as ms
-from meshsplit import desync
+from meshsplit.job import desync
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import meshsplit as ms
-from meshsplit import faults
+from meshsplit.job import faults
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import meshsplit as ms
+from meshsplit.job.traffic import count_traffic
 from meshsplit.memory import compress
 from meshsplit.memory.tracker import CATEGORIES, LiveTensors
-from meshsplit.traffic import count_traffic
 
 from reference import OPTIMIZERS, batches, build, loss_for
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from test_hf_models import _batches, _build, _loss, _sgd, _single
 
 import meshsplit as ms
-from meshsplit.compare import CompareConfig, _row, candidate_plans, reference_losses
+from meshsplit.cli.compare import CompareConfig, _row, candidate_plans, reference_losses
 from meshsplit.data_parallel.ps_layout import cut_points, pieces, server_ranges
 
 from cli_runner import run_meshsplit

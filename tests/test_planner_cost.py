@@ -183,7 +183,7 @@ def test_a_losing_plan_is_told_its_losing_term() -> None:
 
 
 def test_the_predicted_schedule_is_drawn_as_each_stage_runs_it() -> None:
-    from meshsplit.timeline import predicted_events
+    from meshsplit.cli.timeline import predicted_events
 
     plan = ms.Plan(pp=2, micro_batches=4)
     prediction = predict(_workload(), _machine(cores=2), plan)

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import meshsplit as ms
-from meshsplit import phases, timeline
+from meshsplit import phases
+from meshsplit.cli import timeline
+from meshsplit.cli.timeline import Event
 from meshsplit.pipeline.schedules import schedule
 from meshsplit.pipeline.schedules import timeline as ticks
-from meshsplit.timeline import Event
 
 from cli_runner import run_meshsplit
 

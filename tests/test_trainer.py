@@ -17,14 +17,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import meshsplit as ms
-from meshsplit import trainer as trainer_module
-from meshsplit.training import epoch_order
+from meshsplit.runtime import trainer as trainer_module
+from meshsplit.runtime.training import epoch_order
 
 SCRIPT = """
 import copy, json, os, sys
 import torch, torch.nn as nn
 import meshsplit as ms
-from meshsplit.training import epoch_order
+from meshsplit.runtime.training import epoch_order
 
 
 class KerasMLP(nn.Module):

@@ -2,6 +2,6 @@
 
 import sys
 
-from meshsplit.cli import main
+from meshsplit.cli.main import main
 
 sys.exit(main())

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.data_parallel.ps_layout import pieces, server_ranges
-from meshsplit.launch import LeaveJob, job_store
+from meshsplit.job.launch import LeaveJob, job_store
 from meshsplit.plan import Plan, PlanError
 
 __all__: list[str] = []

@@ -1,6 +1,6 @@
 """What each rank will hold: the per-rank estimate, the budget check and the cheapest fix.
 
-The figures come from a simulated step (`meshsplit.simulate`); this module only holds them,
+The figures come from a simulated step (`meshsplit.planner.simulate`); this module only holds them,
 compares them with Plan.memory_budget and, when a plan does not fit, searches the nearby
 plans — cheapest change first — for one that does.
 """

@@ -1,6 +1,6 @@
 """Measure this machine's collectives and core sharing once, and keep the result on disk.
 
-For each group size g (world = g workers in one `meshsplit.launch`), every operation in
+For each group size g (world = g workers in one `meshsplit.job.launch`), every operation in
 `OPERATIONS` is timed at payloads from 1 KiB to 8 MiB; each timing starts after a barrier,
 a collective's time is the max over ranks (it ends with its slowest rank) and the min over
 repeats (noise only adds), and `fit.fit_link` turns the sizes into alpha + nbytes / beta.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsplit.launch import default_backend, launch
+from meshsplit.job.launch import default_backend, launch
 from meshsplit.plan import PlanError
 from meshsplit.planner.fit import collective_seconds, compute_slowdown, fit_link
 from meshsplit.planner.machine import OPERATIONS, Link, Machine

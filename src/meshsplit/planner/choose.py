@@ -15,8 +15,7 @@ from typing import Any
 from torch import nn
 
 from meshsplit.batch import LossFn
-from meshsplit.engine import OptimizerFactory
-from meshsplit.launch import threads_per_worker
+from meshsplit.job.launch import threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
 from meshsplit.planner.calibrate import cached_machine
 from meshsplit.planner.cluster import load_cluster
@@ -26,8 +25,9 @@ from meshsplit.planner.machine import Machine
 from meshsplit.planner.measure import measure_workload
 from meshsplit.planner.search import search
 from meshsplit.planner.sharing import measure_sharing
+from meshsplit.planner.simulate import estimate_memory, rank_coordinates
 from meshsplit.planner.workload import Workload
-from meshsplit.simulate import estimate_memory, rank_coordinates
+from meshsplit.runtime.engine import OptimizerFactory
 
 __all__ = ["PlanReport", "PlanRow", "choose_plan"]
 

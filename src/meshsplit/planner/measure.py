@@ -26,14 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
-from meshsplit.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.job.traffic import count_traffic
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.plan import Plan, PlanError
+from meshsplit.planner.simulate import fake_group
 from meshsplit.planner.workload import Item, Line, Traffic, Workload
-from meshsplit.rank_memory import counting_only
-from meshsplit.simulate import fake_group
-from meshsplit.traffic import count_traffic
+from meshsplit.runtime.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.runtime.rank_memory import counting_only
 
 __all__: list[str] = []
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
-from meshsplit.engine import OptimizerFactory
-from meshsplit.launch import launch, threads_per_worker
+from meshsplit.job.launch import launch, threads_per_worker
+from meshsplit.runtime.engine import OptimizerFactory
 
 __all__: list[str] = []
 

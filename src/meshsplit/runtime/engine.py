@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import checkpoint, lazy_model, phases, tensor, training
+from meshsplit import phases, tensor
 from meshsplit.batch import LossFn, rows, scores, split_rows, to_device
 from meshsplit.batchnorm import (
     batchnorm_state,
@@ -38,10 +38,10 @@ from meshsplit.data_parallel import (
     shard_optimizer,
     shard_state,
 )
-from meshsplit.guard import StepGuard
-from meshsplit.launch import before_exit
-from meshsplit.lazy_model import ModelSource
-from meshsplit.memory import compress, offload, pools, reclaim, recompute
+from meshsplit.job.guard import StepGuard
+from meshsplit.job.launch import before_exit
+from meshsplit.memory import compress, lazy_model, offload, pools, reclaim, recompute
+from meshsplit.memory.lazy_model import ModelSource
 from meshsplit.memory.report import (
     MemoryReport,
     baseline_bytes,
@@ -55,9 +55,10 @@ from meshsplit.phases import phase
 from meshsplit.pipeline.blocks import piece_names
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
-from meshsplit.rank_memory import RankMemory
-from meshsplit.runner import LocalRunner, Runner
-from meshsplit.start import broadcast_from_first_rank, share_random_stream
+from meshsplit.runtime import checkpoint, training
+from meshsplit.runtime.rank_memory import RankMemory
+from meshsplit.runtime.runner import LocalRunner, Runner
+from meshsplit.runtime.start import broadcast_from_first_rank, share_random_stream
 from meshsplit.tensor.collectives import staging
 
 __all__ = ["Engine", "parallelize"]

@@ -17,12 +17,12 @@ import torch
 from rich.table import Table
 
 from meshsplit.batch import LossFn
-from meshsplit.engine import OptimizerFactory, parallelize
-from meshsplit.launch import launch
+from meshsplit.job.launch import launch
 from meshsplit.memory.estimate import MemoryEstimate
 from meshsplit.memory.tracker import CATEGORIES
 from meshsplit.plan import Plan
-from meshsplit.simulate import estimate_memory
+from meshsplit.planner.simulate import estimate_memory
+from meshsplit.runtime.engine import OptimizerFactory, parallelize
 
 __all__: list[str] = []
 

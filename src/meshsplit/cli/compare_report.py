@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from meshsplit import timeline
-from meshsplit.compare import LOSS_RTOL, CompareConfig, accuracy
+from meshsplit.cli import timeline
+from meshsplit.cli.compare import LOSS_RTOL, CompareConfig, accuracy
 
 __all__: list[str] = []
 

@@ -17,16 +17,17 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from meshsplit import data, models, timeline
-from meshsplit.engine import parallelize
-from meshsplit.launch import WorkerError, launch
+from meshsplit import data, models
+from meshsplit.cli import timeline
+from meshsplit.job.launch import WorkerError, launch
+from meshsplit.job.traffic import count_traffic
 from meshsplit.plan import Plan, PlanError, divisors
 from meshsplit.planner.choose import pricing
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.machine import Machine
+from meshsplit.planner.simulate import estimate_memory
 from meshsplit.planner.workload import Workload
-from meshsplit.simulate import estimate_memory
-from meshsplit.traffic import count_traffic
+from meshsplit.runtime.engine import parallelize
 
 __all__: list[str] = []
 

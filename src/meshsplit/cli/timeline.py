@@ -30,8 +30,8 @@ import torch.distributed as dist
 from meshsplit import phases
 
 if TYPE_CHECKING:
-    from meshsplit.engine import Engine
     from meshsplit.planner.cost import Prediction
+    from meshsplit.runtime.engine import Engine
 
 __all__ = [
     "KINDS",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshsplit import deferred
+from meshsplit.memory import deferred
 
 __all__: list[str] = []
 

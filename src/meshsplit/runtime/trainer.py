@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit import faults, training, user_data
 from meshsplit.batch import LossFn, call_model, rows, scores, take_rows
-from meshsplit.engine import parallelize
-from meshsplit.faults import InputError
-from meshsplit.launch import DEFAULT_TIMEOUT_S, WorkerError, in_torchrun, launch
+from meshsplit.job import faults
+from meshsplit.job.faults import InputError
+from meshsplit.job.launch import DEFAULT_TIMEOUT_S, WorkerError, in_torchrun, launch
 from meshsplit.plan import Plan, PlanError
+from meshsplit.runtime import training, user_data
+from meshsplit.runtime.engine import parallelize
 
 __all__ = ["History", "Trainer"]
 

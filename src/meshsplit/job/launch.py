@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshsplit import desync
+from meshsplit.job import desync
 
 __all__ = ["WorkerError", "launch"]
 

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.batch import LossFn, rows
-from meshsplit.engine import Engine, OptimizerFactory, parallelize
-from meshsplit.lazy_model import ModelSource
 from meshsplit.memory.estimate import MemoryEstimate, RankEstimate, find_fix
+from meshsplit.memory.lazy_model import ModelSource
 from meshsplit.pipeline.p2p import TensorMeta
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
-from meshsplit.rank_memory import counting_only
+from meshsplit.runtime.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.runtime.rank_memory import counting_only
 
 __all__ = ["estimate_memory"]
 

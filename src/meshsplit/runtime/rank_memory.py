@@ -28,7 +28,7 @@ from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.pipeline.schedules import max_in_flight, schedule
 from meshsplit.plan import Plan, PlanError
-from meshsplit.runner import Runner
+from meshsplit.runtime.runner import Runner
 from meshsplit.tensor.collectives import staging
 
 __all__: list[str] = []

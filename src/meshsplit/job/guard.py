@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit import faults
-from meshsplit.launch import job_store
+from meshsplit.job import faults
+from meshsplit.job.launch import job_store
 from meshsplit.mesh import Mesh
 
 __all__: list[str] = []

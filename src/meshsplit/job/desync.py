@@ -59,7 +59,7 @@ from meshsplit import phases
 __all__ = ["DesyncError"]
 
 _TORCH = str(Path(torch.__file__).parent)
-_PACKAGE = str(Path(__file__).parent)
+_PACKAGE = str(Path(__file__).parent.parent)
 _STDLIB = str(Path(inspect.__file__).parent)
 
 

@@ -14,15 +14,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from meshsplit import compare_report, data, memory_view, models, plan_view, tensor, timeline
-from meshsplit.checkpoint import CheckpointError
-from meshsplit.compare import CompareConfig
-from meshsplit.compare import compare as run_comparison
-from meshsplit.engine import Engine, parallelize
-from meshsplit.launch import WorkerError, launch
+from meshsplit import data, models, tensor
+from meshsplit.cli import compare_report, memory_view, plan_view, timeline
+from meshsplit.cli.compare import CompareConfig
+from meshsplit.cli.compare import compare as run_comparison
+from meshsplit.job.launch import WorkerError, launch
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.choose import PlanReport, choose_plan, predict_plan
-from meshsplit.simulate import estimate_memory
+from meshsplit.planner.simulate import estimate_memory
+from meshsplit.runtime.checkpoint import CheckpointError
+from meshsplit.runtime.engine import Engine, parallelize
 
 __all__ = ["main"]
 

@@ -1,0 +1,1 @@
+"""The `meshsplit` command and its views: compare, plan, memory, timeline."""
