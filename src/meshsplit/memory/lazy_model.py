@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from meshsplit.memory import deferred
+from meshsplit.memory.module_state import own_state
 
 __all__: list[str] = []
 
@@ -43,10 +44,6 @@ def build(source: ModelSource) -> nn.Module:
     return deferred.record(source)
 
 
-def _own(module: nn.Module) -> list[torch.Tensor]:
-    return [*module._parameters.values(), *module._buffers.values()]  # type: ignore[list-item]
-
-
 @contextmanager
 def realize(module: nn.Module, *, lend_copies: bool = False) -> Iterator[None]:
     """`module`'s own parameters and buffers real while the body runs.
@@ -57,7 +54,7 @@ def realize(module: nn.Module, *, lend_copies: bool = False) -> Iterator[None]:
     come back after; whatever still holds the copies (autograd's graph, for a backward to
     come) frees them with itself.
     """
-    pending = {name: t for name, t in _own_items(module) if t is not None and t.is_meta}
+    pending = {name: t for name, t in own_state(module) if t.is_meta}
     if not pending:
         yield
         return
@@ -98,10 +95,6 @@ def _real_values(module: nn.Module) -> Iterator[None]:
         module.to_empty(device="meta", recurse=False)
 
 
-def _own_items(module: nn.Module) -> list[tuple[str, torch.Tensor | None]]:
-    return [*module._parameters.items(), *module._buffers.items()]
-
-
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
     """A new tensor object on the same storage (a Parameter if `tensor` is one)."""
     if isinstance(tensor, nn.Parameter):
@@ -140,7 +133,7 @@ def streaming(model: nn.Module) -> Iterator[None]:
     def after(module: nn.Module, args: Any, output: Any) -> None:
         open_[id(module)].pop().__exit__(None, None, None)
 
-    holders = [m for m in model.modules() if any(t is not None for t in _own(m))]
+    holders = [m for m in model.modules() if own_state(m)]
     hooks = [
         handle
         for module in holders
@@ -165,8 +158,8 @@ def keep(model: nn.Module, names: Iterable[str], device: torch.device) -> None:
     for prefix, owner in model.named_modules(remove_duplicate=False):
         state = [
             f"{prefix}.{name}" if prefix else name
-            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-            if tensor is not None and tensor.is_meta
+            for name, tensor in own_state(owner)
+            if tensor.is_meta
         ]
         if any(name in wanted for name in state):
             _reset(owner, device)
