@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import meshsplit as ms
-from meshsplit.job import faults
+from meshsplit.job.input_errors import explain_input_error
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,7 +176,7 @@ def test_a_plain_loss_function_that_fails_is_named_with_what_it_received() -> No
     try:
         loss_fn(model(x), y)
     except IndexError as error:
-        explained = faults.explain_input_error(error, model, x, "rank 0", {"loss_fn": loss_fn})
+        explained = explain_input_error(error, model, x, "rank 0", {"loss_fn": loss_fn})
     assert explained is not None
     message = str(explained)
     assert "rank 0: loss_fn received (a float32 tensor of shape (2, 3)" in message, message

@@ -3,8 +3,8 @@ with both call sites, instead of a hang, an abort inside gloo or silently wrong 
 
 Off unless MESHSPLIT_DEBUG=1 is set in the workers: nothing is wrapped and nothing is paid.
 When on, `install` (called once a worker of `ms.launch` or a torchrun job has joined)
-replaces the collectives of the `torch.distributed` module with checked ones, so every
-caller that looks them up as `dist.<name>` (meshsplit, user code, FSDP2's gathers) is seen.
+listens to every operation intercept.py hears, so every caller that looks the collectives up
+as `dist.<name>` (meshsplit, user code, FSDP2's gathers) is checked.
 Before each collective the rank posts a fingerprint — operation, the shapes and dtypes that
 must agree, the reduce op or root, and the call site — to the job's store under (group,
 per-group sequence number, rank), then waits for the other members' fingerprints:
@@ -18,18 +18,16 @@ same collective from different lines. A peer that does not arrive is judged from
 posted last: waiting in another checked collective that this rank has not reached (the two
 wait for each other: a collective was skipped or added) raises at once; otherwise, after
 MESHSPLIT_DEBUG_WAIT_S (default 30 s, or the process group's timeout if shorter), the error
-names the collective it last passed and
-where its watchdog last placed it. Every rank that sees a divergence raises, and the job
-ends through ms.launch's WorkerError.
+names the collective it last passed and where its watchdog last placed it. Every rank that
+sees a divergence raises, and the job ends through ms.launch's WorkerError.
 
 Point-to-point: `send` posts its shape under (sender, receiver, sequence); `recv` waits for
 it and compares. `batch_isend_irecv` posts its sends first and compares each receive whose
 sender has posted; the others are compared at this rank's next checked call (waiting there
-could deadlock ranks that batch their receives before their sends). `isend`/`irecv` stay
-unwrapped (P2POp checks their identity). Unchecked: collectives called inside torch itself
-(DTensor's and the functional collectives, DDP's reducer, DeviceMesh set-up, what
-all_gather_object does inside). Asynchronous collectives are checked when issued, which
-makes their issue wait for the peers' issue.
+could deadlock ranks that batch their receives before their sends). Unchecked: what
+intercept.py does not hear (`isend`/`irecv` outside a batch, collectives called inside torch
+itself). Asynchronous collectives are checked when issued, which makes their issue wait for
+the peers' issue.
 
 PyTorch's own TORCH_DISTRIBUTED_DEBUG=DETAIL (ProcessGroupWrapper) also catches op and shape
 mismatches on gloo, with an extra collective per call and no call sites; it is left to the
@@ -38,7 +36,6 @@ user to add.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -55,12 +52,15 @@ import torch
 import torch.distributed as dist
 
 from meshsplit import phases
+from meshsplit.job import intercept
 
 __all__ = ["DesyncError"]
 
 _TORCH = str(Path(torch.__file__).parent)
 _PACKAGE = str(Path(__file__).parent.parent)
 _STDLIB = str(Path(inspect.__file__).parent)
+_INTERCEPTORS = (__file__, intercept.__file__)
+"""Frames of the checked call itself, left out of its call site."""
 
 
 class DesyncError(dist.DistError):
@@ -104,45 +104,36 @@ def _root(a: dict[str, Any], name: str) -> str:
     return f"group_{name}={group_root}" if group_root is not None else f"{name}={a.get(name)}"
 
 
-# operation -> the arguments that must agree across the group, described (bound arguments)
-_AGREE: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "all_reduce": lambda a: [_tensor(a["tensor"]), f"op={_op(a.get('op', 'SUM'))}"],
-    "broadcast": lambda a: [_tensor(a["tensor"]), _root(a, "src")],
-    "reduce": lambda a: [_tensor(a["tensor"]), _root(a, "dst"), f"op={_op(a.get('op', 'SUM'))}"],
-    "all_gather": lambda a: [_tensors(a["tensor_list"]), _tensor(a["tensor"])],
-    "all_gather_into_tensor": lambda a: [_tensor(a["output_tensor"]), _tensor(a["input_tensor"])],
-    "all_gather_single": lambda a: [_tensor(a["output_tensor"]), _tensor(a["input_tensor"])],
-    "reduce_scatter": lambda a: [
-        _tensor(a["output"]),
-        _tensors(a["input_list"]),
-        f"op={_op(a.get('op', 'SUM'))}",
-    ],
-    "reduce_scatter_tensor": lambda a: [
-        _tensor(a["output"]),
-        _tensor(a["input"]),
-        f"op={_op(a.get('op', 'SUM'))}",
-    ],
-    "all_to_all_single": lambda a: (
-        [_tensor(a["output"]), _tensor(a["input"])]
-        if a.get("output_split_sizes") is None and a.get("input_split_sizes") is None
-        else [str(a["input"].dtype).removeprefix("torch."), "uneven splits"]
-    ),
-    "gather": lambda a: [_tensor(a["tensor"]), _root(a, "dst")],
-    "scatter": lambda a: [_tensor(a["tensor"]), _root(a, "src")],
-    "barrier": lambda a: [],
-    "all_gather_object": lambda a: [],
-    "broadcast_object_list": lambda a: [f"{len(a['object_list'])} objects", _root(a, "src")],
-}
+def _agree(name: str, a: dict[str, Any]) -> list[str]:
+    """The arguments of operation `name` (bound arguments `a`) that must agree across the
+    group, described."""
+    if name == "all_to_all_single" and (
+        a.get("output_split_sizes") is not None or a.get("input_split_sizes") is not None
+    ):
+        return [str(a["input"].dtype).removeprefix("torch."), "uneven splits"]
+    described = []
+    for argument in intercept.OPERATIONS[name].agree:
+        if argument == "op":
+            described.append(f"op={_op(a.get('op', 'SUM'))}")
+        elif argument in ("src", "dst"):
+            described.append(_root(a, argument))
+        elif argument == "object_list":
+            described.append(f"{len(a['object_list'])} objects")
+        elif argument.endswith("_list"):
+            described.append(_tensors(a[argument]))
+        else:
+            described.append(_tensor(a[argument]))
+    return described
 
 
-def call_site(skip: int = 2) -> str:
-    """Where a collective was called: the innermost frame outside torch and this module,
-    and, when that is meshsplit's, the user's frame that led to it."""
+def call_site(skip: int = 1) -> str:
+    """Where a collective was called: the innermost frame outside torch, this module and
+    intercept.py, and, when that is meshsplit's, the user's frame that led to it."""
     frame: Any = sys._getframe(skip)
     caller = user = None
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_TORCH) and name != __file__:
+        if not name.startswith(_TORCH) and name not in _INTERCEPTORS:
             place = f"{_short(name)}:{frame.f_lineno} {frame.f_code.co_name}"
             caller = caller or place
             if not name.startswith((_PACKAGE, _STDLIB, "<")):
@@ -193,9 +184,9 @@ class Checker:
             n = self.sequence.get(key, 0)
             mine = {
                 "rank": self.rank,
-                "call": f"{name}({', '.join(_AGREE[name](bound))})",
-                "agree": _AGREE[name](bound),
-                "site": call_site(3),
+                "call": f"{name}({', '.join(_agree(name, bound))})",
+                "agree": _agree(name, bound),
+                "site": call_site(),
                 "group": label,
                 "key": key,
                 "n": n,
@@ -289,6 +280,17 @@ class Checker:
             self.pending.append((key, mine))
             self.check_pending()
 
+    def batch(self, ops: list[Any]) -> None:
+        """batch_isend_irecv: post its sends first, then compare each receive whose sender
+        has posted (the others at this rank's next checked call)."""
+        site = call_site()
+        sends = [op for op in ops if getattr(op.op, "__name__", "") == "isend"]
+        for op in sends:
+            self.send(op.tensor, op.peer, op.tag, "isend", site)
+        for op in ops:
+            if op not in sends:
+                self.receive(op.tensor, op.peer, op.tag, "irecv", site, wait=False)
+
     def check_pending(self) -> None:
         """Compare each receive whose sender has posted by now."""
         still = []
@@ -363,41 +365,25 @@ def _absent(
     return text + f". Rank {peer} skipped this collective, or is still busy elsewhere"
 
 
-def _checked(name: str, original: Callable[..., Any], checker: Checker) -> Callable[..., Any]:
-    signature = inspect.signature(original)
+def _listener(checker: Checker) -> intercept.Listener:
+    """Checks each operation intercept.py hears, before it runs."""
 
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs).arguments
+    def hear(name: str, bound: dict[str, Any]) -> Callable[[Any], None] | None:
         tag = bound.get("tag", 0)
-        if name == "send":
+        if name == "batch_isend_irecv":
+            checker.batch(bound["p2p_op_list"])
+        elif name == "send":
             checker.send(bound["tensor"], bound["dst"], tag, name, call_site())
-        elif name == "recv" and bound.get("src") is None:  # from any rank: known once here
-            src = original(*args, **kwargs)
-            checker.receive(bound["tensor"], src, tag, name, call_site(), wait=True)
-            return src
+        elif name == "recv" and bound.get("src") is None:  # from any rank: known once run
+            site = call_site()
+            return lambda src: checker.receive(bound["tensor"], src, tag, name, site, wait=True)
         elif name == "recv":
             checker.receive(bound["tensor"], bound["src"], tag, name, call_site(), wait=True)
         else:
             checker.collective(name, bound)
-        return original(*args, **kwargs)
+        return None
 
-    return wrapper
-
-
-def _checked_batch(original: Callable[..., Any], checker: Checker) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def wrapper(p2p_op_list: list[Any]) -> Any:
-        site = call_site()
-        sends = [op for op in p2p_op_list if getattr(op.op, "__name__", "") == "isend"]
-        for op in sends:
-            checker.send(op.tensor, op.peer, op.tag, "isend", site)
-        for op in p2p_op_list:
-            if op not in sends:
-                checker.receive(op.tensor, op.peer, op.tag, "irecv", site, wait=False)
-        return original(p2p_op_list)
-
-    return wrapper
+    return hear
 
 
 _installed: list[Checker] = []
@@ -409,9 +395,5 @@ def install(store: dist.Store | None, timeout: timedelta) -> None:
     if not enabled() or store is None or _installed or dist.get_world_size() == 1:
         return
     checker = Checker(store, timeout.total_seconds())
-    for name in (*_AGREE, "send", "recv"):
-        original = getattr(dist, name, None)
-        if original is not None:
-            setattr(dist, name, _checked(name, original, checker))
-    dist.batch_isend_irecv = _checked_batch(dist.batch_isend_irecv, checker)
+    intercept.listen(_listener(checker))
     _installed.append(checker)

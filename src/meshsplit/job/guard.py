@@ -1,5 +1,6 @@
 """One engine's guard over its steps: a watchdog for its waits, and the errors a step raises
-turned into ones that say where and why (the pieces are in faults.py)."""
+turned into ones that say where and why (the pieces are in watchdog.py, input_errors.py
+and nonfinite.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit.job import faults
-from meshsplit.job.launch import job_store
+from meshsplit.job.context import job_store
+from meshsplit.job.input_errors import explain_input_error
+from meshsplit.job.nonfinite import check_step
+from meshsplit.job.watchdog import Watchdog, explain_collective_error, stall_warning_s
 from meshsplit.mesh import Mesh
 
 __all__: list[str] = []
@@ -31,7 +34,7 @@ class StepGuard:
         store = job_store()
         several = dist.is_initialized() and dist.get_world_size() > 1
         self.watchdog = (  # in a job of several ranks that ms.launch runs
-            faults.Watchdog(store, self.where, position, warn_s=faults.stall_warning_s())
+            Watchdog(store, self.where, position, warn_s=stall_warning_s())
             if store is not None and several
             else None
         )
@@ -39,11 +42,11 @@ class StepGuard:
     @contextlib.contextmanager
     def naming_timeouts(self) -> Iterator[None]:
         """A wait the process group's timeout ended becomes a CollectiveTimeout that says
-        what this rank waited for and where the others were (see faults.Watchdog)."""
+        what this rank waited for and where the others were (see watchdog.Watchdog)."""
         try:
             yield
         except RuntimeError as error:
-            explained = faults.explain_collective_error(error, self.watchdog)
+            explained = explain_collective_error(error, self.watchdog)
             if explained is None:
                 raise
             raise explained from error
@@ -55,9 +58,7 @@ class StepGuard:
         try:
             yield
         except Exception as error:
-            explained = faults.explain_input_error(
-                error, module, inputs, self.where, {"loss_fn": loss_fn}
-            )
+            explained = explain_input_error(error, module, inputs, self.where, {"loss_fn": loss_fn})
             if explained is None:
                 raise
             raise explained from error
@@ -74,10 +75,10 @@ class StepGuard:
         group: dist.ProcessGroup | None,
     ) -> bool:
         """Plan.nonfinite's check of this step's loss and gradients, and that every rank of
-        `group` had the same global batch (see faults.check_step)."""
+        `group` had the same global batch (see nonfinite.check_step)."""
         if mode == "off":
             return True
-        return faults.check_step(
+        return check_step(
             loss, gradients, named, rows=rows, mode=mode, step=step, where=self.where, group=group
         )
 

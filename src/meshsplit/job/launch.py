@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.job import desync
+from meshsplit.job.context import in_torchrun, job_store, jobs_joined, join_job_store, run_job
+from meshsplit.job.stop import STOP_SIGNALS
 
 __all__ = ["WorkerError", "launch"]
 
@@ -36,7 +38,6 @@ DEFAULT_TIMEOUT_S = 120.0
 """Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
 _GRACE_S = 3.0
 _PR_SET_PDEATHSIG = 1
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class WorkerError(RuntimeError):
@@ -48,50 +49,6 @@ class WorkerError(RuntimeError):
         self.message = message
         self.traceback = traceback_text
         super().__init__(f"worker rank {rank} failed: {error_type}: {message}\n{traceback_text}")
-
-
-class LeaveJob(BaseException):  # noqa: N818 - not an error: a role that ended early
-    """Raised in a worker whose part is over before the job's function returns (a parameter
-    server once every worker is done): the launcher takes `result` as its return value."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__("this rank's part of the job is over")
-        self.result = result
-
-
-_before_exit: list[Callable[[], None]] = []
-"""What a worker must do after the job's function and before the job's last barrier."""
-
-
-def before_exit(callback: Callable[[], None]) -> None:
-    """Run `callback` in this worker once the job's function is over, before its last
-    barrier (a parameter-server worker tells its servers it is done)."""
-    _before_exit.append(callback)
-
-
-def _run_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """fn's value in this worker (or the result of a role that left the job early)."""
-    try:
-        result = fn(*args, **kwargs)
-    except LeaveJob as leave:
-        result = leave.result
-    while _before_exit:
-        _before_exit.pop()()
-    return result
-
-
-_job_store: list[dist.Store] = []
-"""This worker's key-value store of the job (a watchdog posts where each rank is)."""
-
-
-def job_store() -> dist.Store | None:
-    """The job's store, in a worker that ms.launch started or joined; else None."""
-    return _job_store[-1] if _job_store else None
-
-
-def in_torchrun() -> bool:
-    """True inside a worker started by torchrun (or any launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def default_backend(local_workers: int) -> str:
@@ -190,7 +147,7 @@ def _forwarding_stop_signals(processes: list[Any]) -> Iterator[None]:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGTERM)
 
-    previous = {number: signal.signal(number, forward) for number in _STOP_SIGNALS}
+    previous = {number: signal.signal(number, forward) for number in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -310,7 +267,7 @@ def _local_worker(
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        _job_store.append(dist.PrefixStore("meshsplit/job", store))
+        join_job_store(dist.PrefixStore("meshsplit/job", store))
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("meshsplit", store),
@@ -319,7 +276,7 @@ def _local_worker(
             timeout=timeout,
         )
         desync.install(job_store(), timeout)  # MESHSPLIT_DEBUG=1: collectives checked
-        result = _run_job(fn, args, kwargs)
+        result = run_job(fn, args, kwargs)
         _save_atomically(result, workdir / f"rank{rank}.result.pt")
         dist.barrier()
         dist.destroy_process_group()
@@ -369,14 +326,14 @@ def _join_torchrun(
     # A restarted worker must not meet the keys its previous incarnation left in the store,
     # nor this process's next job (a Trainer's next fit) the keys of the one before.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    job = f"{restart}.{len(_job_store)}"
+    job = f"{restart}.{jobs_joined()}"
     prefixed = dist.PrefixStore(f"meshsplit/restart{job}", store)
-    _job_store.append(dist.PrefixStore(f"meshsplit/job{job}", store))
+    join_job_store(dist.PrefixStore(f"meshsplit/job{job}", store))
     dist.init_process_group(
         backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
     desync.install(job_store(), timeout)
-    result = _run_job(fn, args, kwargs)
+    result = run_job(fn, args, kwargs)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
     dist.barrier()

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from meshsplit.batch import rows, take_rows
-from meshsplit.job.faults import StopRequest, TrainingStopped
+from meshsplit.job.stop import StopRequest, TrainingStopped
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan
 from meshsplit.runtime.checkpoint import LATEST

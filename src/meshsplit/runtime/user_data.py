@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from meshsplit.batch import LossFn
-from meshsplit.job.faults import InputError
+from meshsplit.job.input_errors import InputError
 
 __all__: list[str] = []
 
