@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import meshsplit as ms
 from meshsplit.batchnorm import BatchNorm, commit_batchnorm, convert_batchnorm, describe_batchnorm
-from meshsplit.data_parallel import GradientSync
+from meshsplit.data_parallel.allreduce import GradientSync
 
 from reference import ATOL, RTOL
 

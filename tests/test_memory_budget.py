@@ -1,5 +1,5 @@
 """Plan.memory_budget in real workers: refused before the first step, enforced during it, and
-checkpoint='auto' recomputing just enough that the measured peak stays under the budget."""
+recompute='auto' recomputing just enough that the measured peak stays under the budget."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _run(plans: list[ms.Plan]) -> list[dict[str, Any]]:
 
 
 def test_auto_recompute_lowers_the_real_peak_as_the_budget_falls() -> None:
-    base = ms.Plan(pp=2, micro_batches=4, schedule="gpipe", checkpoint="auto")
+    base = ms.Plan(pp=2, micro_batches=4, schedule="gpipe", recompute="auto")
     free = ms.estimate_memory(
         _model(), base, _batch(), optimizer=_adam, loss_fn=ms.models.TokenCrossEntropy()
     )
@@ -70,7 +70,7 @@ def test_auto_recompute_lowers_the_real_peak_as_the_budget_falls() -> None:
         if "refused" in outcomes[0]:
             assert all(o == outcomes[0] for o in outcomes)  # every rank refuses alike
             assert (
-                "checkpoint='auto'" in outcomes[0]["refused"]
+                "recompute='auto'" in outcomes[0]["refused"]
                 or "before any" in outcomes[0]["refused"]
             )
             continue

@@ -169,7 +169,7 @@ def test_two_workers_train_close_to_exact_with_compression_and_halve_p2p_bytes()
         exact_pp,
         ms.Plan(pp=2, micro_batches=2, compress_transfers="bf16"),
         ms.Plan(dp=2, compress="int8"),
-        ms.Plan(pp=2, micro_batches=2, compress="int8", checkpoint="always"),
+        ms.Plan(pp=2, micro_batches=2, compress="int8", recompute="always"),
     ]
     per_rank = ms.launch(_run_plans, 2, args=(plans, "cnn", 3), timeout_s=240)
     exact, bf16, dp_int8, pp_int8 = zip(*per_rank, strict=True)

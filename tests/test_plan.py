@@ -15,7 +15,7 @@ import meshsplit as ms
         ({"tp": 1.5}, ["Plan.tp=1.5"]),
         ({"micro_batches": 0}, ["Plan.micro_batches=0"]),
         ({"schedule": "zigzag"}, ["Plan.schedule='zigzag'", "1f1b", "gpipe"]),
-        ({"checkpoint": "sometimes"}, ["Plan.checkpoint='sometimes'", "except_last"]),
+        ({"recompute": "sometimes"}, ["Plan.recompute='sometimes'", "except_last"]),
         ({"pp": 2, "stages": (3,)}, ["Plan.stages=[3]", "pp=2"]),
     ],
 )
@@ -58,3 +58,11 @@ def test_memory_options_take_their_listed_values_and_name_the_rest() -> None:
         with pytest.raises(ms.PlanError, match=f"Plan.{field}={value!r}"):
             ms.Plan(**{field: value})
     assert ms.Plan(compress="int8").lossy and not ms.Plan(offload="optimizer").lossy
+
+
+def test_the_old_checkpoint_keyword_warns_and_means_recompute() -> None:
+    with pytest.warns(DeprecationWarning, match=r"Plan\(recompute=\.\.\.\)"):
+        plan = ms.Plan(pp=2, checkpoint="except_last")
+    assert plan.recompute == "except_last" and plan.as_dict()["recompute"] == "except_last"
+    with pytest.raises(ms.PlanError, match="Plan.recompute='sometimes'"):
+        ms.Plan(checkpoint="sometimes")

@@ -67,10 +67,11 @@ def test_a_batch_that_does_not_divide_is_listed_as_infeasible() -> None:
     assert "divisibility" in refused[(2, 1, 1)]
 
 
-def test_plan_auto_is_the_best_plan() -> None:
+def test_the_best_plan_is_taken_from_choose_plan_alone() -> None:
     model, batch = _mlp()
-    plan = ms.Plan.auto(model, batch, 2, machine=_machine(), estimate_top=1)
+    plan = ms.choose_plan(model, batch, 2, machine=_machine(), estimate_top=1).best
     assert isinstance(plan, ms.Plan) and plan.world_size == 2
+    assert not hasattr(ms.Plan, "auto")  # one way to take the planner's choice
 
 
 def test_paper_mode_prices_a_cluster_and_refuses_an_unknown_one() -> None:

@@ -78,7 +78,7 @@ def test_a_message_delays_the_next_stage() -> None:
         ms.Plan(dp=4),
         ms.Plan(tp=4),
         ms.Plan(pp=4, micro_batches=8),
-        ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", checkpoint="always"),
+        ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", recompute="always"),
         ms.Plan(dp=2, tp=2, zero=True),
     ],
 )
@@ -99,7 +99,7 @@ def test_each_term_answers_its_own_cause() -> None:
     dear = predict(work, _machine(alpha=1e-2), ms.Plan(tp=4))
     assert dear.terms["communication_tp"] > 10 * cheap.terms["communication_tp"] > 0
     assert predict(work, machine, ms.Plan(dp=4)).terms["communication_dp"] > 0
-    again = predict(work, machine, ms.Plan(pp=2, micro_batches=2, checkpoint="always"))
+    again = predict(work, machine, ms.Plan(pp=2, micro_batches=2, recompute="always"))
     assert again.terms["recompute"] > 0
     shared = predict(work, _machine(cores=2), ms.Plan(dp=4))
     own = predict(work, _machine(cores=None), ms.Plan(dp=4))

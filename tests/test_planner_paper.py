@@ -15,7 +15,8 @@ import pytest
 import meshsplit as ms
 from meshsplit.planner.cluster import Cluster, cluster_names, load_cluster
 from meshsplit.planner.megatron_table import megatron_table
-from meshsplit.planner.paper import GPTModel, Layout, best_layout, predict
+from meshsplit.planner.paper import best_layout, predict
+from meshsplit.planner.paper_model import GPTModel, Layout
 
 A100 = load_cluster("dgx-a100")
 

@@ -26,7 +26,8 @@ EXACT = [
     ("cnn", ms.Plan(dp=4, zero=3)),
     ("mlp", ms.Plan(dp=2, tp=2, zero=3)),
     ("cnn", ms.Plan(dp=2, pp=2, micro_batches=2, zero=3)),
-    ("mlp", ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", checkpoint="always", zero=2)),
+    ("mlp", ms.Plan(dp=2, pp=2, micro_batches=4, schedule="gpipe", recompute="always", zero=2)),
+    ("cnn", ms.Plan(dp=4, micro_batches=2, recompute="always", zero=3)),  # blocks after sharding
 ]
 HF = [
     ("gpt2", ms.Plan(dp=2, pp=2, micro_batches=2, zero=3)),  # tied embeddings across stages

@@ -3,8 +3,10 @@
 from meshsplit import data, models, tensor
 from meshsplit.cli import timeline
 from meshsplit.job.desync import DesyncError
-from meshsplit.job.faults import InputError, NonFiniteError, TrainingStopped
+from meshsplit.job.input_errors import InputError
 from meshsplit.job.launch import WorkerError, launch
+from meshsplit.job.nonfinite import NonFiniteError
+from meshsplit.job.stop import TrainingStopped
 from meshsplit.memory.estimate import MemoryEstimate, RankEstimate
 from meshsplit.memory.report import MemoryReport
 from meshsplit.memory.tracker import MemoryBudgetError
@@ -12,7 +14,8 @@ from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.choose import PlanReport, PlanRow, choose_plan
 from meshsplit.planner.simulate import estimate_memory
 from meshsplit.runtime.checkpoint import CheckpointError, load_full_state_dict
-from meshsplit.runtime.engine import Engine, parallelize
+from meshsplit.runtime.engine import Engine
+from meshsplit.runtime.parallelize import parallelize
 from meshsplit.runtime.trainer import History, Trainer
 
 __all__ = [

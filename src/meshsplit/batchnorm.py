@@ -1,17 +1,13 @@
 """BatchNorm whose batch is the global one: statistics gathered over dp, running ones per step.
 
-Per channel, a micro-batch j spread over dp replicas r has, from each replica's count n_r,
-mean μ_r and sum of squared deviations M2_r (Chan's combination, no cancellation):
+Per channel, the replicas' counts, means and sums of squared deviations combine by Chan's rule:
 
     n = Σ n_r,   μ = Σ n_r·μ_r / n,   M2 = Σ (M2_r + n_r·(μ_r − μ)²)
     y = (x − μ)·σ⁻¹·w + b,   σ = sqrt(M2 / n + eps)
 
-forward: all-gather of (n, μ, M2) over dp; backward: all-reduce over dp of Σ dy and Σ dy·x̂,
-the two sums the input gradient needs (the rule of PyTorch's GPU-only SyncBatchNorm).
-Running statistics follow GPipe (torchgpipe's DeferredBatchNorm): the micro-batches' (n, μ, M2)
-are combined the same way and `commit_batchnorm` applies them once per step, with the
-unbiased variance M2 / (n − 1), as nn.BatchNorm would on the step's whole global batch.
+forward: all-gather of (n, μ, M2) over dp; backward: all-reduce over dp of Σ dy and Σ dy·x̂.
 With micro_batches=1 and any dp, training equals one process on the global batch.
+Rationale: docs/internals.md#batchnormpy
 """
 
 from __future__ import annotations

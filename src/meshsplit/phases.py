@@ -1,12 +1,9 @@
 """The named phases of a training step ("forward, micro-batch 3", "optimizer step").
 
-Runners and the engine say which phase they are in; whoever watches memory reads the
-current phase to label a peak and hears when a phase ends to check a budget there. Waits
-for other ranks ("p2p wait", "all-reduce wait") are marked too, for a clock only: they are
-no phase of their own, so memory labels and budget checks stay those of the enclosing
-phase. A clock (see timeline.py) hears every phase and wait with its start and end. It sits
-below every axis so each can name its phases without knowing who listens; with nobody
-listening a phase costs a few list operations.
+Runners and the engine say which phase they are in; whoever watches memory labels peaks and
+checks budgets by phase, and a clock (see timeline.py) hears every phase and wait. It sits
+below every axis so each can name its phases without knowing who listens.
+Rationale: docs/internals.md#phasespy
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import InitVar, dataclass, field
 
 __all__ = ["Plan", "PlanError"]
 
 SCHEDULES = ("1f1b", "gpipe")
-CHECKPOINT_POLICIES = ("never", "except_last", "always", "auto")
+RECOMPUTE_POLICIES = ("never", "except_last", "always", "auto")
 ZERO_STAGES = (0, 1, 2, 3)
 COMPRESSIONS = ("none", "bf16", "fp8", "int8")
 TRANSFER_COMPRESSIONS = ("none", "bf16")
@@ -58,7 +58,7 @@ class Plan:
     split_points: tuple[str, ...] | None = None
     """Module paths where a pipeline stage begins, e.g. ('m.model.layers.2',) for pp=2; as
     torch.distributed.pipelining's split_spec, overriding the profile-balanced split."""
-    checkpoint: str = "never"
+    recompute: str = "never"
     """Activation recomputation: 'never', 'except_last' (every stage but the last), 'always'
     (every stage, or every block when pp == 1) or 'auto' (the blocks that make the plan fit
     memory_budget with the least added time; nothing without a budget)."""
@@ -100,7 +100,19 @@ class Plan:
     update without the slowest worker, as long as no worker's parameters fall more than K
     updates behind the newest."""
 
-    def __post_init__(self) -> None:
+    checkpoint: InitVar[str | None] = None
+    """The former name of `recompute` (it collided with checkpoints on disk); warns, and goes
+    in the next release."""
+
+    def __post_init__(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            warnings.warn(
+                "Plan(checkpoint=...) is now Plan(recompute=...); the old keyword goes in the "
+                "next release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "recompute", checkpoint)
         for name in ("dp", "pp", "tp", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -111,10 +123,10 @@ class Plan:
             raise PlanError(
                 f"Plan.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
             )
-        if self.checkpoint not in CHECKPOINT_POLICIES:
+        if self.recompute not in RECOMPUTE_POLICIES:
             raise PlanError(
-                f"Plan.checkpoint={self.checkpoint!r} is unknown; "
-                f"use one of {', '.join(CHECKPOINT_POLICIES)}"
+                f"Plan.recompute={self.recompute!r} is unknown; "
+                f"use one of {', '.join(RECOMPUTE_POLICIES)}"
             )
         if self.stages is not None:
             stages = tuple(self.stages)
@@ -209,17 +221,15 @@ class Plan:
         return self.servers or 0
 
     @property
+    def asynchronous(self) -> bool:
+        """Whether the workers run without waiting for each other (parameter servers with
+        staleness > 0): no collective among them inside a step."""
+        return self.sync == "ps" and self.staleness > 0
+
+    @property
     def lossy(self) -> bool:
         """Whether a memory option changes the numbers (outside the exactness contract)."""
         return self.compress != "none" or self.compress_transfers != "none"
-
-    @classmethod
-    def auto(cls, model: Any, example_batch: tuple[Any, Any], devices: int, **options: Any) -> Plan:
-        """The planner's fastest plan for `devices` devices (see `ms.choose_plan`, which takes
-        the same arguments and also says why the others lost)."""
-        from meshsplit.planner.choose import choose_plan  # the planner sits above the plan
-
-        return choose_plan(model, example_batch, devices, **options).best
 
     @property
     def budget_bytes(self) -> int | None:
@@ -231,7 +241,7 @@ class Plan:
     @property
     def chooses_recompute(self) -> bool:
         """Whether recompute is picked to fit a budget ('auto' with memory_budget set)."""
-        return self.checkpoint == "auto" and self.memory_budget is not None
+        return self.recompute == "auto" and self.memory_budget is not None
 
     @property
     def mesh_size(self) -> int:
@@ -278,8 +288,8 @@ class Plan:
             text += f" m{self.micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}"
-        if self.checkpoint != "never":
-            text += f" recompute={self.checkpoint}"
+        if self.recompute != "never":
+            text += f" recompute={self.recompute}"
         if self.zero:
             text += f" zero{self.zero}"
         for name in ("compress", "compress_transfers", "offload"):
@@ -299,7 +309,7 @@ class Plan:
             "schedule": self.schedule,
             "stages": list(self.stages) if self.stages else None,
             "split_points": list(self.split_points) if self.split_points else None,
-            "checkpoint": self.checkpoint,
+            "recompute": self.recompute,
             "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
             "zero": self.zero,
             "compress": self.compress,

@@ -1,27 +1,26 @@
-"""The data-parallel axis: gradient buckets (allreduce.py) and sharded state (zero.py)."""
+"""The data-parallel axis: gradient buckets (allreduce.py), sharded state (zero.py) and
+parameter servers (ps.py), one Sync interface over them (sync.py)."""
 
 from __future__ import annotations
 
-from meshsplit.data_parallel.allreduce import GradientSync, gather_rows
-from meshsplit.data_parallel.ps import ParameterClient
-from meshsplit.data_parallel.zero import (
-    ShardedGradients,
-    gather_shards,
-    shard_optimizer,
-    shard_state,
+from meshsplit.data_parallel.allreduce import gather_rows
+from meshsplit.data_parallel.sync import (
+    ShardUnits,
+    Sync,
+    TrainingState,
+    check_servers,
+    serve,
+    training_state,
 )
-
-Sync = GradientSync | ShardedGradients | ParameterClient
-"""How a replica's gradients meet the others': all-reduced buckets, FSDP2's shards, or
-pushed to parameter servers."""
+from meshsplit.data_parallel.zero import gather_shards
 
 __all__ = [
-    "GradientSync",
-    "ParameterClient",
-    "ShardedGradients",
+    "ShardUnits",
     "Sync",
+    "TrainingState",
+    "check_servers",
     "gather_rows",
     "gather_shards",
-    "shard_optimizer",
-    "shard_state",
+    "serve",
+    "training_state",
 ]

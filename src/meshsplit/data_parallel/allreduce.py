@@ -1,12 +1,9 @@
 """Data parallel: gradient sync over dp while backward runs, and the replicas' outputs.
 
-Each bucket is one flat buffer; every parameter's `.grad` is a view into it, so autograd
-accumulates straight into the buffer and the all-reduce needs no copy. Buckets are filled
-in reverse parameter order (the order backward produces gradients), and a bucket's
-all-reduce starts, asynchronously, as soon as its last gradient of the step has arrived.
-The loss is pre-scaled by each replica's share of the global batch, so the sum over dp is
-the gradient of the global-batch loss. Waiting for a bucket is marked ("all-reduce wait",
-phases.waiting) so a timeline shows how much of the sync backward did not hide.
+Every `.grad` is a view into a flat bucket, so autograd accumulates straight into it and a
+bucket's all-reduce starts, asynchronously, as soon as its last gradient of the step arrives.
+The loss is pre-scaled by each replica's share, so the sum over dp is the global-batch gradient.
+Rationale: docs/internals.md#data_parallelallreducepy
 """
 
 from __future__ import annotations
@@ -100,6 +97,9 @@ class GradientSync:
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The buffers every gradient lives in."""
         return [bucket.flat for bucket in self.buckets]
+
+    def newest_parameters(self) -> None:
+        """Nothing to do: every replica applied the same summed gradients."""
 
     def gradient_bytes(self) -> int:
         return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)

@@ -1,27 +1,10 @@
 """Parameter servers: S processes own the parameters and run the optimizer; workers pull
 parameters and push gradients (TensorFlow's ParameterServerStrategy, on torch.distributed).
 
-The trainable parameters, flattened in model order, are cut into S equal ranges at row
-boundaries (a large weight may be split between two servers, as TensorFlow's partitioned
-variables are); each server runs the user's optimizer on its range, each part of a tensor a
-parameter of its own (exact for element-wise optimizers: SGD, Adam). A push is one worker's
-gradient of its share of a global batch (pre-scaled by its rows, as under all-reduce), so
-`dp` pushes sum to a global batch's gradient; an update is that sum followed by one step of
-the user's optimizer.
-
-    staleness 0   an update waits for one push from every worker, all computed on the newest
-                  parameters, and a worker's next pull waits for the update: exactly one
-                  process's step, every step.
-    staleness K   an update takes the next `dp` pushes in arrival order, from whichever
-                  workers (a fast worker may give two); a worker's pull is answered at once
-                  unless K + 1 of its pushes still wait; and no update is made while some
-                  worker computes on parameters it would leave more than K updates behind.
-                  A slow worker holds the others up only when it falls K updates behind.
-
-Messages are point-to-point on the job's process group (gloo): a worker sends a header
-[kind, version] (tag HEADER) and, with a push, its gradient slice (GRADIENT); a server
-answers with its version (VERSION) and its parameter slice (PARAMETERS). A worker posts
-those receives before it pushes, so a server's answer never waits for a busy worker.
+Each server owns an equal range of the flattened parameters and runs the user's optimizer on
+it; an update is the sum of `dp` pushes followed by one step. Staleness 0 is exactly one
+process's step, every step; under staleness K a slow worker holds the others up only when it
+falls K updates behind. Rationale: docs/internals.md#data_parallelpspy
 """
 
 from __future__ import annotations
@@ -37,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.data_parallel.ps_layout import pieces, server_ranges
-from meshsplit.job.launch import LeaveJob, job_store
+from meshsplit.job.context import LeaveJob, job_store
 from meshsplit.plan import Plan, PlanError
 
 __all__: list[str] = []
@@ -103,6 +86,8 @@ class ParameterClient:
         """The version of each server's parameters this worker holds."""
         self.updates_behind = 0
         """How many updates the servers made between this worker's last pull and push."""
+        self.apart = plan.staleness > 0
+        """Whether the workers run without waiting for each other (staleness > 0)."""
         self._closed = False
 
     def begin_step(self, backward_passes: int) -> None:
@@ -135,6 +120,12 @@ class ParameterClient:
     def flush(self) -> None:
         """Every worker calls: the servers apply what waits and all get the newest parameters."""
         self._ask(FLUSH)
+
+    def newest_parameters(self) -> None:
+        """Asynchronous workers may hold different versions: all take the newest (what
+        waits applied), so outputs and state agree. Synchronous ones already do."""
+        if self.apart:
+            self.flush()
 
     def _ask(self, kind: int) -> None:
         versions = [torch.zeros(1, dtype=torch.int64) for _ in self.servers]

@@ -163,6 +163,9 @@ class ShardedGradients:
         shards = sum(local_tensor(p).numel() * p.element_size() for p in self.sharded)
         return shards + self.whole.gradient_bytes()
 
+    def newest_parameters(self) -> None:
+        """Nothing to do: every replica's shards took the same summed gradients."""
+
     def close(self) -> None:
         self.whole.close()
         self.sharded = []

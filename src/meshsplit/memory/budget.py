@@ -1,12 +1,10 @@
 """Plan.memory_budget on one rank, before its first step: refuse what cannot fit, and pick
 what 'auto' recomputes so the rest does.
 
-What a rank holds for good — its parameters and buffers, its gradient buckets, the optimizer
-state its first step will create — is known exactly once the model is split. Above that
-sit, per micro-batch in flight, the activations its blocks save for backward (measured on
-the example micro-batch) and, at any moment, the working set of one block's backward. The
-figures are a floor: the run itself enforces the budget (see tracker.py), and
-`ms.estimate_memory` simulates the whole step.
+What a rank holds for good is known exactly once the model is split; the activations per
+micro-batch in flight are measured on the example. The figures are a floor: the run enforces
+the budget (tracker.py) and `ms.estimate_memory` simulates the whole step.
+Rationale: docs/internals.md#memorybudgetpy
 """
 
 from __future__ import annotations
@@ -159,7 +157,7 @@ def fit_budget(
     )
     if refuse and auto and result.need_bytes > budget_bytes:
         raise PlanError(
-            f"{where} needs {format_bytes(result.need_bytes)} even with checkpoint='auto' "
+            f"{where} needs {format_bytes(result.need_bytes)} even with recompute='auto' "
             f"recomputing all {len(chosen)} blocks that save anything "
             f"({describe_breakdown(static)}, activations {format_bytes(activations)} for "
             f"{in_flight} micro-batches in flight, backward working set "

@@ -1,21 +1,14 @@
 """Activation compression: what autograd saves for backward is kept packed, in fewer bytes.
 
-Backward needs every saved activation, but rarely to full precision. While `packing(kind)`
-is active, a saved-tensors hook packs each floating activation when it is saved and
-unpacks it when backward reads it:
+Backward needs every saved activation, but rarely to full precision. While `packing(kind)` is
+active, a saved-tensors hook packs each floating activation when it is saved, with one scale
+per channel c, and unpacks it when backward reads it:
 
     bf16:  x̂ = bf16(x)                                   2 bytes/element, |x̂-x| ≤ 2⁻⁸|x|
     int8:  s_c = max|x_c| / 127,  x̂ = s_c·round(x/s_c)    1 byte/element, |x̂-x| ≤ s_c/2
     fp8:   s_c = max|x_c| / 448,  x̂ = s_c·e4m3(x/s_c)     1 byte/element, |x̂-x| ≲ 2⁻⁴|x|
 
-with one scale per channel c: dim 1 of a 4-D or 5-D tensor (convolution activations), else
-the last dim (the features a Linear reads). Kept as they are: weights (a parameter's or
-module buffer's storage, or a leaf that needs a gradient: the tensors someone else holds
-anyway), non-floating tensors (indices, masks: backward needs them exactly), small ones
-(< MIN_NUMEL elements) and views that do not cover their storage (packing them would copy
-what stays alive); a permuted view that covers it (attention's heads) packs in storage
-order. Two saves of one storage (a ReLU's output is the next Linear's input) share one
-packed copy; a view of a packed storage is cut from it when unpacked.
+Rationale: docs/internals.md#memorycompresspy
 """
 
 from __future__ import annotations

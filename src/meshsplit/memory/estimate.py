@@ -108,10 +108,10 @@ def candidate_fixes(plan: Plan, batch_rows: int) -> Iterator[tuple[str, Plan]]:
         if batch_rows % (plan.dp * micro) == 0:
             yield f"micro_batches={micro}", replace(plan, micro_batches=micro)
     order = ("never", "except_last", "always")
-    if plan.checkpoint in order:
-        for policy in order[order.index(plan.checkpoint) + 1 :]:
+    if plan.recompute in order:
+        for policy in order[order.index(plan.recompute) + 1 :]:
             if policy != "except_last" or plan.pp > 1:
-                yield f"checkpoint={policy!r}", replace(plan, checkpoint=policy)
+                yield f"recompute={policy!r}", replace(plan, recompute=policy)
     world = plan.world_size
     meshes = [
         (dp, pp, world // (dp * pp))

@@ -1,15 +1,10 @@
 """A model each rank builds only its part of: from a factory, or a model on the meta device.
 
-A factory is recorded (`deferred.record`): every rank gets the model on the meta device,
-with how each parameter gets its values. While the split looks at the model — runs it on
-one micro-batch, copies a layer's weight into this rank's shard — each module is given its
-real values only while it is looked at (`streaming`, `realize`), so at most the modules on
-the call stack are real. Then the rank materialises what it keeps (`keep`): its stage, its
-shards' replicated neighbours. The values are those of `factory()` run in one process.
-
-A model built on the meta device without a recording has no values to reproduce: each
-module gets the ones its `reset_parameters()` draws, as FSDP2 does, the same on every rank
-because every rank draws in the same order from one seed.
+Every rank gets the model on the meta device; a module is given real values only while the
+split looks at it (at most the modules on the call stack are real), then the rank materialises
+only what it keeps. The values are those of `factory()` run in one process or, with no factory
+recorded, what each module's `reset_parameters()` draws from one seed.
+Rationale: docs/internals.md#memorylazy_modelpy
 """
 
 from __future__ import annotations

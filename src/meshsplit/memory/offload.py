@@ -1,26 +1,10 @@
 """Offload: optimizer state out of the compute device's memory, saved activations off the GPU.
 
-`Plan.offload='optimizer'`, compute on a GPU (ZeRO-Offload's idea): the optimizer steps on
-the host over fp32 host copies of this rank's parameters, so its state never reaches the
-GPU. Each step copies the gradients device -> host (pinned), steps there, and copies the
-parameters host -> device. The optimizer stays the caller's object, keyed by the model's
-parameters (checkpoints, `state_dict` and LR schedulers see what they always see): during
-its step each parameter's `.data` is its host copy.
-
-`Plan.offload='optimizer'`, compute on the host (ZeRO-Infinity's NVMe idea, where the model
-already lives in host memory): every state tensor of a page or more moves into a tensor
-mapped from a file (`torch.from_file(shared=True)`) in a temporary directory of the engine
-(under $MESHSPLIT_OFFLOAD_DIR or the system's), unlinked as soon as it is mapped; after each
-step its pages are released (reclaim.release_pages). Between steps the state is page cache,
-which the kernel may write back and evict, not the process's resident memory. Counting rule:
-a file-backed tensor is not live tensor memory — the tracker (memory/tracker.py), and so
-`ms.estimate_memory`, leaves it out; `MemoryReport.optimizer_bytes` still counts it, as what
-the optimizer holds wherever it is. Tensors under a page (Adam's step counts) stay in memory.
-
-`Plan.offload='activations'` (GPU only): `torch.autograd.graph.save_on_cpu(pin_memory=True)`
-around forward and backward moves every tensor saved for backward to pinned host memory.
-
-None of these changes the numbers: the same optimizer does the same arithmetic.
+`Plan.offload='optimizer'` steps the caller's own optimizer on host copies of the parameters
+(ZeRO-Offload) or, when compute is already on the host, keeps its state in file-backed pages
+the kernel may evict (ZeRO-Infinity's NVMe idea); `'activations'` moves what autograd saves to
+pinned host memory. None of these changes the numbers: the same optimizer does the same
+arithmetic. Rationale: docs/internals.md#memoryoffloadpy
 """
 
 from __future__ import annotations

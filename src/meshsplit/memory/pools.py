@@ -1,18 +1,10 @@
 """Pools: what lives for the whole run is allocated before step 1, so step 1 peaks as step 100.
 
-Gradient buckets (data_parallel/allreduce.py) and tp staging buffers exist from the build.
-Optimizer state is lazy in torch (made by the first `step`): here it is made at the build by
-one step with zero gradients and lr = 0, then reset to what a fresh optimizer holds (every
-state tensor zero, step counters 0). That reset is only right when the optimizer's first real
-step treats zero state as no state: Adam's moments start at zero, SGD's momentum starts as
-the first gradient, which a zero buffer gives exactly when dampening is 0. So the trick is
-checked once per optimizer class and settings on a tiny probe parameter — a pre-allocated
-and a fresh optimizer must give bit-identical parameters over three steps of the same
-random gradients — and an optimizer that disagrees stays lazy, with the reason recorded.
-
-Pipeline receive buffers fill their pool (pipeline/p2p.py) during step 1 and never allocate
-again. On GPU, `Plan.reserve_memory` makes the caching allocator hold the rank's peak before
-step 1, and `allocator_settings` / `set_expandable_segments` show and set how it grows.
+Gradient buckets, tp staging buffers and optimizer state are made at the build (the state by
+one zero-gradient step and a reset, kept lazy for an optimizer whose probe shows the reset is
+not exact); pipeline receive buffers fill their pool during step 1; on GPU
+`Plan.reserve_memory` makes the caching allocator hold the rank's peak before step 1.
+Rationale: docs/internals.md#memorypoolspy
 """
 
 from __future__ import annotations

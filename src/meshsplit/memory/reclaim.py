@@ -1,12 +1,9 @@
 """Giving memory back: freed tensors return their bytes to the OS, not only to the allocator.
 
-Dropping the last reference to a CPU tensor returns its bytes to malloc, which keeps small
-and medium blocks in its arenas; `trim_heap` asks glibc to hand the free top of every arena
-back (`malloc_trim(0)`). A file-backed tensor (`torch.from_file(..., shared=True)`) keeps
-its values in the file's pages, so `release_pages` can drop them from this process
-(`madvise(MADV_DONTNEED)`: resident memory falls at once; the dirty pages stay in the page
-cache, which the kernel writes back and evicts under pressure, as it cannot do for
-anonymous memory without swap).
+`trim_heap` asks glibc to hand back the free top of every malloc arena (`malloc_trim(0)`);
+`release_pages` drops a file-backed tensor's pages from this process (`madvise`), leaving them
+to the page cache, which the kernel can write back and evict.
+Rationale: docs/internals.md#memoryreclaimpy
 """
 
 from __future__ import annotations

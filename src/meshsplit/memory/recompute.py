@@ -1,14 +1,9 @@
 """Activation recomputation: keep a part's inputs, drop what its layers save, redo it in backward.
 
-A part under recompute stores only its inputs per micro-batch in flight, instead of every
-activation its layers save for backward; backward runs the part's forward again first
-(torch.utils.checkpoint, non-reentrant, with the RNG state restored so dropout draws the
-same mask). Cost: one more forward of that part per micro-batch.
-
-Parts are whole pipeline stages ('except_last', 'always' with pp > 1) or blocks: the
-repeated blocks of a model and the layers beside them ('always' with pp == 1, and 'auto',
-which picks the blocks that make a rank fit its budget for the least added forward time —
-a min-cost knapsack over what each block saves, as PyTorch's sac_ilp does per operator).
+Cost: one more forward of the part per micro-batch (torch.utils.checkpoint, non-reentrant, RNG
+state restored). Parts are whole pipeline stages or blocks; 'auto' picks the blocks that make a
+rank fit its budget for the least added forward time, a min-cost knapsack.
+Rationale: docs/internals.md#memoryrecomputepy
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from meshsplit.batch import call_model, tensors
-from meshsplit.plan import CHECKPOINT_POLICIES, PlanError
 
 __all__: list[str] = []
 
@@ -34,15 +28,10 @@ def recomputes(policy: str, stage: int, stages: int) -> bool:
 
     'except_last' spares the last stage: under 1F1B its backward follows each forward at
     once, so what it saves is freed almost immediately and recomputing it buys nothing.
-    'auto' chooses blocks, never whole stages.
+    'auto' chooses blocks, never whole stages. The planner prices the same rule. The policy
+    was validated with the Plan.
     """
-    if policy not in CHECKPOINT_POLICIES:
-        raise PlanError(
-            f"Plan.checkpoint={policy!r} is unknown; use one of {', '.join(CHECKPOINT_POLICIES)}"
-        )
-    if policy == "always":
-        return True
-    return policy == "except_last" and stage < stages - 1
+    return policy == "always" or (policy == "except_last" and stage < stages - 1)
 
 
 Wrap = Callable[[int, Callable[..., Any]], Callable[..., Any]]
@@ -58,6 +47,14 @@ def for_stages(policy: str, stages: int) -> Wrap:
         return functools.partial(torch.utils.checkpoint.checkpoint, fn, use_reentrant=False)
 
     return wrap
+
+
+def blocks_for(policy: str, stages: int, blocks: Sequence[str], chosen: Sequence[str]) -> list[str]:
+    """The blocks that recompute one by one: all of them under 'always' on one stage, what
+    the budget chose under 'auto', none otherwise (whole stages recompute instead)."""
+    if policy == "always" and stages == 1:
+        return list(blocks)
+    return list(chosen) if policy == "auto" else []
 
 
 def recompute_blocks(model: nn.Module, names: Sequence[str]) -> None:

@@ -1,14 +1,10 @@
 """Live tensor bytes on one device, by category, counted at the dispatcher as ops allocate.
 
-`torch.distributed._tools.MemTracker` has the idea (follow each storage from the op that
-creates it until its last reference dies) but attributes memory through module hooks, which
-clash with `autograd.grad` and with our stages' own hooks. This tracker needs none: a
-`TorchDispatchMode` sees every storage an op creates, a weak reference hears when it is
-freed, and what a byte is for comes from what holds it — parameters and module buffers, the
-gradient buckets, optimizer state, pipeline receive buffers (`holders`), tensors autograd
-saves for backward (a saved-tensors hook), and everything else is a temporary. The peak is
-labelled with the step phase it falls in (see `phases.py`), and a budget is checked at the
-end of every phase.
+A `TorchDispatchMode` sees every storage an op creates and a weak reference hears it freed;
+what holds a byte says what it is for. Unlike torch's `MemTracker` it needs no module hooks,
+which clash with `autograd.grad` and with our stages' own hooks. Peaks are labelled with their
+step phase, and a budget is checked at the end of every phase.
+Rationale: docs/internals.md#memorytrackerpy
 """
 
 from __future__ import annotations
@@ -257,7 +253,7 @@ class LiveTensors(TorchDispatchMode):
                 f"{self.where}: {name} held {format_bytes(self._phase_peak)} of live tensors, "
                 f"over Plan.memory_budget={format_bytes(self.budget)} "
                 f"({describe_breakdown(self._phase_peak_breakdown)}); see "
-                "ms.estimate_memory for a plan that fits, e.g. checkpoint='auto'"
+                "ms.estimate_memory for a plan that fits, e.g. recompute='auto'"
             )
         self._phase_peak = self._total
 

@@ -1,21 +1,10 @@
 """Cuts inside a model: the repeated blocks its own `forward` calls in turn, found by one run.
 
-Real models keep their depth one level down (`model.layers`, `transformer.h`,
-`encoder.layer`, ResNet `stages`), behind a `forward` full of Python that no tracer takes
-whole (masks, caches, position ids, `ModelOutput`). So instead of tracing, one forward on an
-example micro-batch, watched by hooks, finds the pieces:
-
-- every child of a repeated-block list (an `nn.ModuleList` or `nn.Sequential` of at least two
-  children with parameters) is a piece;
-- every other module with parameters that hangs beside the path from the root down to such
-  a list (`embed_tokens`, `norm`, `lm_head`, `pooler`, ...) is a piece;
-- modules without parameters (rotary embeddings, dropout) and the code between pieces are
-  not pieces: every stage runs them, so masks and positions are made where they are used;
-  parameters the code between pieces reads itself (a learned position table on the root)
-  are held by every stage (see `Cuts`).
-
-Each piece must be called once per forward, not inside another piece. A stage then runs the
-model's own forward with the pieces of other stages stubbed out (see `spine.py`).
+Real models keep their depth one level down (`model.layers`, `transformer.h`, ResNet `stages`)
+behind a `forward` no tracer takes whole, so hooks watch one forward on an example micro-batch
+instead: each child of a repeated-block list, and each module with parameters beside the path
+down to it, is a piece. A stage then runs the model's own forward with the other stages'
+pieces stubbed out (see `spine.py`). Rationale: docs/internals.md#pipelineblockspy
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Where the layer split cuts a model, and what each stage then holds, runs and sends.
 
-Two front ends, chosen per model:
-- a model whose depth sits in a block list below the top level (`model.layers`,
-  `transformer.h`, ResNet `stages`), or a plan that names `split_points`, is cut between
-  those blocks and run through its own forward (`blocks.py`, `spine.py`);
-- any other model (an `nn.Sequential`, a flat custom module) is traced into layers with
-  named data flow (`frontend.py`), so skip connections travel straight to their readers.
-When the block front end cannot cut a model (a reused piece, a forward whose stages do not
-chain), the traced one is tried; a refusal names both reasons.
+A model whose depth sits in a block list below the top level (or a plan with `split_points`)
+is cut between those blocks and runs its own forward (`blocks.py`, `spine.py`); any other is
+traced into layers with named data flow (`frontend.py`), which is also the fallback when the
+blocks cannot be cut. Rationale: docs/internals.md#pipelinecutspy
 """
 
 from __future__ import annotations

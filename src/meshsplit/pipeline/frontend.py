@@ -1,17 +1,10 @@
 """Any `nn.Module` as an ordered list of layers with explicit data flow between them.
 
-A layer is a callable piece of the model that reads named values and writes named values;
-the pipeline cuts only between layers. Three ways in, tried in order:
-
-- `nn.Sequential`: each child is a layer reading the previous child's output.
-- `torch.fx` tracing: the graph's nodes are grouped into runs that belong to the same
-  top-level child module (code in the root `forward`, such as a residual add, joins the
-  layer before it), or into the segments between `split_point` markers when the model has
-  any. A submodule that cannot be traced is retried as one opaque node.
-- `torch.export` when fx fails in the root `forward` itself; the example input is needed.
-
-A value read by a later layer than the next one (a skip connection) is simply a named value
-with several readers; the stage router sends it straight to every stage that reads it.
+A layer reads named values and writes named values; the pipeline cuts only between layers.
+Three ways in, tried in order: `nn.Sequential`, `torch.fx` tracing (nodes grouped by top-level
+child or by `split_point` markers), `torch.export`. A skip connection is just a value with
+several readers, sent straight to every stage that reads it.
+Rationale: docs/internals.md#pipelinefrontendpy
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Point-to-point transfers between stages: batched isend/irecv, shapes learnt once, pooled buffers.
 
-A message is a list of tensors from one rank to another. The first time a sender sends a
-message under a given key (the micro-batch's input signature), it puts a header in front:
-[length] then [dtype, wire dtype, requires_grad, ndim, *shape] per tensor. The receiver reads
-the header once, remembers it under the same key, and from then on receives straight into
-buffers from a pool, so a step allocates nothing new once the pool is warm. Sends are
-asynchronous (the caller keeps the works and the tensors alive until they finish); receives
-block, bounded by the process group's timeout. Under Plan.compress_transfers='bf16' floating
-tensors travel as bfloat16 (the wire dtype; half the bytes) and the receiver casts them back
-to their own dtype, so its pool buffers hold bf16. Both waits are marked ("p2p wait",
-phases.waiting) so a timeline shows where a stage sits idle for its peers.
+The first message under a key carries a header of its tensors' dtypes and shapes; after that
+the receiver receives straight into pooled buffers, so a warm step allocates nothing. Sends are
+asynchronous, receives block up to the group's timeout, and both waits are marked ("p2p wait")
+so a timeline shows where a stage sits idle. Rationale: docs/internals.md#pipelinep2ppy
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Balanced layer split: contiguous stages that minimise the slowest stage. Numbers in, numbers out.
 
-With per-layer costs c_1..c_n and p stages, find boundaries 0 = b_0 < b_1 < ... < b_p = n
-minimising max_k sum(c[b_{k-1}:b_k]). In a pipeline every stage runs every micro-batch,
-so the step time is set by the slowest stage; this is the linear partition problem, solved
-exactly by dynamic programming over prefix sums:
+The slowest stage sets the step time, so this is the linear partition problem, solved exactly
+by dynamic programming over the prefix sums S of the layer costs (best[k][i]: the optimum for
+the first i layers in k stages):
 
     best[k][i] = min over j < i of max(best[k-1][j], S[i] - S[j])
 
-where S is the prefix sum and best[k][i] is the optimum for the first i layers in k stages.
-Many splits often share the optimal maximum (only the slowest stage counts), so ties are
-broken by the smaller sum of squared stage costs: the other stages come out even too,
-instead of one of them holding a single cheap layer. O(p * n^2) time, trivial for the tens
-to hundreds of layers of a real model.
+Ties go to the smaller sum of squared stage costs. Rationale: docs/internals.md#pipelinepartitionpy
 """
 
 from __future__ import annotations

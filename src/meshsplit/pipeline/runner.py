@@ -1,13 +1,9 @@
 """PipelineRunner: the Runner for pp > 1 — this rank's stage of a profile-balanced layer split.
 
-Building it: model -> layers or pieces (the traced front end for flat models, the block
-front end for models whose depth sits in a nested block list) -> per-piece costs measured
-on every rank on one micro-batch and agreed by an all-reduce(min), so every rank computes
-the same split -> balanced (or given) stage sizes -> this rank keeps its stage's pieces. A
-step runs the plan's schedule over the micro-batches; each micro-batch's loss is weighted by
-its share of the global batch, so the accumulated gradients equal one step on the whole
-batch. Parameters used on several stages (tied embeddings) are kept on each and their
-gradients summed over those stages (see `tied.py`).
+Every rank measures the pieces on one micro-batch and the costs are agreed by an
+all-reduce(min), so all ranks compute the same split; each micro-batch's loss is weighted by
+its share of the global batch, so the accumulated gradients equal one step on the whole batch.
+Rationale: docs/internals.md#pipelinerunnerpy
 """
 
 from __future__ import annotations
@@ -31,6 +27,9 @@ from meshsplit.plan import Plan, PlanError
 
 __all__ = ["PipelineRunner"]
 
+Stagewise = Callable[[int, Callable[..., Any]], Callable[..., Any]]
+"""(stage, its computation) -> the computation as that stage runs it."""
+
 
 class PipelineRunner:
     """One stage of the pipeline on this rank; every method is called on every rank."""
@@ -42,10 +41,7 @@ class PipelineRunner:
         plan: Plan,
         loss_fn: LossFn,
         example: Any,
-        recompute: Callable[[int, Callable[..., Any]], Callable[..., Any]] | None = None,
     ) -> None:
-        """`recompute(stage, computation)` says how each stage runs its part (the memory
-        policy's choice, made above this axis); by default as it is."""
         if example is None:
             raise PlanError(
                 f"Plan.pp={plan.pp} needs one micro-batch to profile the layers before the "
@@ -69,7 +65,6 @@ class PipelineRunner:
             routes=cuts.routes[self.index],
             peers=[mesh.global_rank(pp=k) for k in range(plan.pp)],
             exchange=Exchange(mesh.device, plan.compress_transfers),
-            compute=recompute(self.index, program) if recompute else None,
         )
         self.module: nn.Module = self.stage.module
         self.tied = TiedGradients(cuts.shared_parameters(), mesh)
@@ -85,6 +80,13 @@ class PipelineRunner:
     def items(self) -> list[str]:
         """The names, in `module`, of the items this stage runs (each called as a module)."""
         return [name for name in self.module._modules if name != "<common>"]
+
+    def recompute_stage(
+        self, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]
+    ) -> None:
+        """Run this stage's part as `wrap(stage, computation)` says (the memory policy's
+        choice, made above this axis: recomputed in backward, or as it is)."""
+        self.stage.compute = wrap(self.index, self.stage.program)
 
     def reread_state(self) -> None:
         """Name this stage's tensors anew after their modules got new ones (sharding)."""
@@ -140,7 +142,7 @@ class PipelineRunner:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return {name: tensor.detach() for name, tensor in self._state.items()}
 
-    def named_parameters(self) -> dict[torch.Tensor, str]:
+    def parameter_names(self) -> dict[torch.Tensor, str]:
         """This stage's parameters under the original model's names."""
         return {t: n for n, t in self._state.items() if isinstance(t, nn.Parameter)}
 

@@ -1,20 +1,15 @@
 """Pipeline schedules as pure action lists, one per stage, and the clock-cycle diagram.
 
-A schedule says, for each stage, the order in which it runs F(j) (forward of micro-batch j)
-and B(j) (its backward). Stages talk by point-to-point messages: F(j) on stage s waits for
-F(j) on the stages before it, B(j) waits for B(j) on the stages after it; sends never wait.
-
-GPipe runs every forward, then every backward: m micro-batches in flight on every stage.
-1F1B (PipeDream-flush) runs p-s-1 warm-up forwards on stage s, then alternates one forward
-and one backward, then drains: at most p-s micro-batches in flight, the same bubble.
-Both leave a bubble of (p-1)/(m+p-1) of the step when F and B take one tick each.
-
-p=2, m=4, one tick per action (`diagram(schedule(name, 2, 4))`):
+GPipe runs every forward F(j), then every backward B(j); 1F1B (PipeDream-flush) runs p-s-1
+warm-up forwards on stage s, then alternates, so at most p-s micro-batches are in flight, for
+the same bubble of (p-1)/(m+p-1). p=2, m=4, one tick per action (`diagram(schedule(name, 2, 4))`):
 
     1f1b   stage 0 | F0 F1 .. B0 F2 B1 F3 B2 .. B3
            stage 1 | .. F0 B0 F1 B1 F2 B2 F3 B3 ..
     gpipe  stage 0 | F0 F1 F2 F3 .. .. B0 B1 B2 B3
            stage 1 | .. F0 F1 F2 F3 B0 B1 B2 B3 ..
+
+Rationale: docs/internals.md#pipelineschedulespy
 """
 
 from __future__ import annotations

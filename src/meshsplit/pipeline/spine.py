@@ -1,17 +1,10 @@
 """A stage as the model's own forward with the other stages' pieces stubbed out.
 
-Stage k holds pieces [first, stop) (see `blocks.py`). It runs the whole `forward` on the
-micro-batch: a piece before `first` returns a placeholder of the right shape, not run; when
-the forward calls piece `first`, the tensors it is called with (hidden states and whatever
-else crosses: masks, rotary cos/sin, position ids, residuals) are replaced by the ones stage
-k-1 sent; pieces up to `stop` run for real; when the forward calls piece `stop`, the tensors
-it is called with are what this stage sends on, and the forward is abandoned there. The last
-stage runs to the end and returns the model's output (any pytree) for the loss.
-
-Code between pieces (mask making, position ids, dropout) runs on every stage; what it feeds
-to a stage's first piece comes from the stage before, so it only has to be shape-correct on
-placeholders. `check_chain` proves on the example, in one process, that the chain of stages
-gives the model's own output before anything is split.
+Stage k holds pieces [first, stop) (see `blocks.py`) and runs the whole `forward`: pieces
+before `first` return placeholders, the inputs of piece `first` are replaced by what stage k-1
+sent, and the inputs of piece `stop` are what this stage sends on, where the forward is
+abandoned. `check_chain` proves in one process that the chain gives the model's own output.
+Rationale: docs/internals.md#pipelinespinepy
 """
 
 from __future__ import annotations

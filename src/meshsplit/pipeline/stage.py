@@ -1,12 +1,9 @@
 """One pipeline stage: its program, the values it exchanges, and how it runs F(j) and B(j).
 
-A stage's program is either its layers of a traced LayerGraph (`LayerProgram`) or the
-model's own forward with other stages' pieces stubbed (`spine.py`); the stage only sees
-values in and values out. Data flow between stages follows the program's routes: a value made on
-stage a and read on stages b > a goes straight from a to each b (a skip connection is not
-relayed through the stages between). Forward: receive the values this stage reads, run its
-layers, send what later stages read. Backward: receive the gradients of what it sent, run
-autograd from those tensors, send the gradients of what it received back to their makers.
+The program is a traced LayerGraph's layers (`LayerProgram`) or the model's own forward with
+other stages' pieces stubbed (`spine.py`); the stage sees only values in and values out. A
+value goes straight from the stage that makes it to every stage that reads it.
+Rationale: docs/internals.md#pipelinestagepy
 """
 
 from __future__ import annotations
@@ -138,7 +135,6 @@ class Stage:
         routes: Routes,
         peers: Sequence[int],
         exchange: Exchange,
-        compute: Callable[..., tuple[Any, ...]] | None = None,
     ) -> None:
         self.index = index
         self.last = index == stages - 1
@@ -149,7 +145,7 @@ class Stage:
         self.routes = routes
         self.peers = list(peers)
         self.exchange = exchange
-        self.compute = compute or program
+        self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
 
     def run(

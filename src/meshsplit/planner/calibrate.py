@@ -1,13 +1,9 @@
 """Measure this machine's collectives and core sharing once, and keep the result on disk.
 
-For each group size g (world = g workers in one `meshsplit.job.launch`), every operation in
-`OPERATIONS` is timed at payloads from 1 KiB to 8 MiB; each timing starts after a barrier,
-a collective's time is the max over ranks (it ends with its slowest rank) and the min over
-repeats (noise only adds), and `fit.fit_link` turns the sizes into alpha + nbytes / beta.
-The same workers time a fixed single-threaded matmul loop, first rank 0 alone while the
-others wait in a barrier, then all g at once: slowdown[g] = T_g / T_1.
-Why measure: the planner's choice between splits turns on these numbers, and a 2-core
-laptop and an NVLink node differ by orders of magnitude in both.
+The planner's choice between splits turns on these numbers, and a 2-core laptop and an NVLink
+node differ by orders of magnitude in both. Each collective is timed per group size and fitted
+to alpha + nbytes / beta; g workers computing at once run slowdown[g] = T_g / T_1 slower.
+Rationale: docs/internals.md#plannercalibratepy
 """
 
 from __future__ import annotations

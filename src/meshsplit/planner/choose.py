@@ -27,7 +27,7 @@ from meshsplit.planner.search import search
 from meshsplit.planner.sharing import measure_sharing
 from meshsplit.planner.simulate import estimate_memory, rank_coordinates
 from meshsplit.planner.workload import Workload
-from meshsplit.runtime.engine import OptimizerFactory
+from meshsplit.runtime.parallelize import OptimizerFactory
 
 __all__ = ["PlanReport", "PlanRow", "choose_plan"]
 

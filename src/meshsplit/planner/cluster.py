@@ -1,13 +1,9 @@
 """A GPU cluster described by its public spec sheet, for planning runs this machine cannot do.
 
-A `Cluster` is what the paper-mode model (`paper.py`) needs to price a layout: peak dense
-FLOP/s per dtype, HBM size and bandwidth, GPUs per node, and two alpha-beta `Link`s — one
-inside a node (NVLink/NVSwitch, per GPU and direction) and one between nodes (InfiniBand,
-per GPU and direction: one NIC per GPU on DGX systems). Spec sheets overstate what kernels
-reach, so three fractions say how much of each peak is achievable; each is an assumption
-with its source in the shipped JSON (`sources`).
-
-Shipped clusters live in `clusters/<name>.json`; `load_cluster` takes such a name or a path.
+A `Cluster` holds what paper mode (`paper.py`) prices a layout with: peak FLOP/s, HBM, GPUs
+per node, an alpha-beta `Link` inside a node and one between nodes, and three fractions of
+each peak that kernels reach, each sourced in the shipped JSON. `load_cluster` takes a name
+under `clusters/` or a path. Rationale: docs/internals.md#plannerclusterpy
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """A plan's step time and memory from a measured workload and a machine. Numbers in, numbers out.
 
-For a plan (dp, pp, tp, m micro-batches of r = B / (dp·m) rows, schedule, recompute, zero)
-each stage s holds a contiguous run of items (the engine's profile-balanced split, or the
-plan's stages). Per micro-batch it computes
-
-    F_s = Σ forward(r) + tp_f(r)        B_s = Σ backward(r) + tp_b(r) [+ F_s if recomputed]
-
-where tp_f, tp_b are the items' collectives over tp priced alpha + bytes/beta (they block
-the compute). The schedule's actions then run stage by stage in order, each waiting for the
-stage before it (forward) or after it (backward) plus one p2p message of the boundary
-activation; the makespan M of that list is the pipeline part. After it:
-
-    dp:        zero 0-1: gradient buckets all-reduce while the last backward runs; what is
-               left over, plus (zero 1) the all-gather of the updated 1/dp shards.
-               zero 2-3 (FSDP2): every micro-batch all-gathers the stage's parameters before
-               its forward (zero 3: again before its backward) and reduce-scatters its
-               gradients after its backward (what the backward of the next does not hide)
-    optimizer: seconds per byte of parameters it updates (1/dp of them under zero >= 1)
-    T_path = max over stages (finish_s + dp_s + optimizer_s) + step overhead
-
-On a host whose workers share its cores, every busy second of every rank needs a core, and
-when they fill them (N >= cores) waits and work alike stretch by the measured slowdown s(N) of
-N workers running this model at once: T = max(T_path · s(N), Σ busy · s(N) / N), and the
-bucketed all-reduce no longer hides behind backward (its threads need the same cores).
-`terms` splits T into what the busiest rank spends: compute, recompute, communication per
-axis, bubble, optimizer, sharing, overhead.
+Pure arithmetic on measured items, so every plan is priced without running it. Per micro-batch,
+stage s costs F_s = Σ forward(r) + tp_f(r) and B_s = Σ backward(r) + tp_b(r) [+ F_s if
+recomputed]; the schedule's actions, run stage by stage, give the pipeline's makespan, which dp
+traffic, the optimizer and cores shared by the workers then lengthen. `terms` splits the step
+into what the busiest rank spends. Rationale: docs/internals.md#plannercostpy
 """
 
 from __future__ import annotations
@@ -33,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshsplit.memory.recompute import recomputes
 from meshsplit.pipeline.partition import balance
 from meshsplit.pipeline.schedules import Action, max_in_flight, schedule
 from meshsplit.plan import Plan
@@ -137,10 +118,6 @@ def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> flo
     return (item.backward if backward else item.forward).at(rows)
 
 
-def _recomputes(plan: Plan, stage: int) -> bool:
-    return plan.checkpoint == "always" or (plan.checkpoint == "except_last" and stage < plan.pp - 1)
-
-
 @dataclass
 class _Stage:
     forward_s: float = 0.0
@@ -196,7 +173,7 @@ def _stages(
         if s == plan.pp - 1:
             stage.forward_s += workload.loss_forward.at(rows)
             stage.backward_s += workload.loss_backward.at(rows)
-        if _recomputes(plan, s):
+        if recomputes(plan.recompute, s, plan.pp):
             stage.recompute_s = stage.forward_s + stage.tp_forward_s
         if s > 0:
             stage.input_bytes = items[starts[s] - 1].output_bytes_per_row * rows
@@ -265,7 +242,7 @@ def dp_exposed_s(machine: Machine, plan: Plan, nbytes: float, overlap_s: float) 
 
 
 def _dp_s(machine: Machine, plan: Plan, st: _Stage, overlap: float) -> float:
-    """The seconds stage `st`'s dp traffic adds to its step under `plan.zero` (see above)."""
+    """Seconds stage `st`'s dp traffic adds under `plan.zero` (docs/internals.md#plannercostpy)."""
     if plan.dp <= 1:
         return 0.0
     if plan.zero <= 1:
@@ -364,8 +341,9 @@ def _memory(
     st = stages[s]
     shard = plan.dp if plan.zero else 1
     in_flight = 1 if plan.pp == 1 else max_in_flight(actions[s])
-    saved = st.input_bytes + st.largest_output if _recomputes(plan, s) else st.saved_bytes
-    activations = in_flight * saved + (st.saved_bytes if _recomputes(plan, s) else 0.0)
+    recomputed = recomputes(plan.recompute, s, plan.pp)
+    saved = st.input_bytes + st.largest_output if recomputed else st.saved_bytes
+    activations = in_flight * saved + (st.saved_bytes if recomputed else 0.0)
     buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)
     state = _state_bytes(plan, st) + workload.optimizer_state_per_byte * st.trainable_bytes / shard
     return int(state + activations + buffers + 2 * st.largest_output)

@@ -60,9 +60,7 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
             f"({100 * terms['bubble'] / row.step_time_s:.0f}% of its step) with "
             f"{plan.micro_batches} micro-batches over {plan.pp} stages"
         ),
-        "recompute": (
-            f"recomputing the forward ({plan.checkpoint}) adds {_ms(terms['recompute'])}"
-        ),
+        "recompute": (f"recomputing the forward ({plan.recompute}) adds {_ms(terms['recompute'])}"),
         "compute": (
             f"its slowest rank computes for {_ms(terms['compute'])} against "
             f"{_ms(best.terms['compute'])} on the best plan's"

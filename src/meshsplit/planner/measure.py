@@ -32,7 +32,8 @@ from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.simulate import fake_group
 from meshsplit.planner.workload import Item, Line, Traffic, Workload
-from meshsplit.runtime.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.runtime.engine import Engine
+from meshsplit.runtime.parallelize import OptimizerFactory, parallelize
 from meshsplit.runtime.rank_memory import counting_only
 
 __all__: list[str] = []

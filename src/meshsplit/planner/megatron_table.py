@@ -1,24 +1,16 @@
 """Table 1 of Narayanan et al. 2021, the published figures paper mode is checked against.
 
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(arXiv:2104.04473, SC'21), Table 1 "Weak-scaling throughput for GPT models ranging from 1
-billion to 1 trillion parameters": GPT models with sequence length 2048 and vocabulary 51,200,
-trained in mixed precision with activation recomputation on Selene (DGX A100 80GB nodes), with
-the achieved teraFLOP/s per GPU counted by the paper's Eq. 3 (which includes the recomputed
-forward pass).
-
-The rows were checked against public transcriptions of the paper's table and text: the shapes
-(heads, hidden, layers) of all ten models, 32 GPUs at 137 TFLOP/s (44%) for 1.7B, 1536 GPUs at
-148 (47%) for 145.6B, and 3072 GPUs at 163 (52%, 502 petaFLOP/s) for 1008B; t rises 1, 2, 4, 8
-and stays at 8, p reaches 64, d falls from 32 to 6. The Megatron-LM README of that time showed
-the same table as an image only.
+(arXiv:2104.04473, SC'21): GPT models of 1.7B to 1008B parameters on Selene (DGX A100 80GB),
+teraFLOP/s per GPU counted by the paper's Eq. 3. The rows were checked against public
+transcriptions of the paper. Rationale: docs/internals.md#plannermegatron_tablepy
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshsplit.planner.paper import GPTModel
+from meshsplit.planner.paper_model import GPTModel
 
 __all__ = ["MegatronRow", "SEQUENCE", "VOCAB", "megatron_table"]
 

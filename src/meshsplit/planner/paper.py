@@ -1,35 +1,11 @@
 """Paper mode: Megatron-style training of a GPT decoder on a GPU cluster, priced on paper.
 
-A GPT decoder (l layers, hidden h, a heads, sequence s, vocabulary V) trains on n = t*p*d GPUs
-of a `Cluster` with global batch B sequences and micro-batch b: tensor split t inside layers,
-p pipeline stages, d data-parallel replicas, m = B / (d*b) micro-batches per pipeline, full
-activation recomputation and a 1F1B schedule with v model chunks per stage (v = 1: plain 1F1B;
-v > 1: interleaved), as in Narayanan et al. 2021 (arXiv:2104.04473). Pure arithmetic: it
-predicts clusters this machine cannot run, and `megatron_table.py` holds what to check it on.
-
-FLOPs per iteration (the paper's Eq. 3, re-derived here): one layer's forward GEMMs are QKV
-6bsh², scores QKᵀ 2bs²h, scores·V 2bs²h, output projection 2bsh² and MLP 16bsh², together
-24bsh² + 4bs²h; backward costs twice the forward and recomputation repeats it once, so 4x:
-96bsh²(1 + s/(6h)). The logit layer adds 2bshV forward and 4bshV backward (not recomputed),
-which is 96bsh²·l·V/(16lh). Over l layers and B sequences:
-    F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
-Achieved TFLOP/s per GPU is F / time / n, counting the recomputed forward as the paper does.
-
-Time of the slowest (last) stage per micro-batch, on one GPU:
-    GEMMs    (24bsh² + 4bs²h)/t per layer at peak · matmul_efficiency · KERNEL_EFFICIENCY;
-    memory-bound ops   bytes at HBM bandwidth · memory_efficiency, per layer forward:
-             bsh·(8 + 14) for 2 LayerNorms and 2 bias-dropout-adds (whole on every tp rank:
-             no sequence parallelism), 16bsh/t for bias-GeLU, 13 bytes per element of the
-             b·(a/t)·s² attention scores (GEMM write, softmax read+write, dropout read+write+
-             mask, GEMM read); backward moves twice the forward's bytes, recompute once;
-    tp       6 ring all-reduces of 2bsh bytes per layer (2 forward, 2 recomputed, 2 backward)
-             on NVLink when t <= devices_per_node, else on InfiniBand; +1 for the embedding
-             and +1 for the logit layer;
-    logits   6bshV/t FLOPs and 16bsV/t bytes (fp16 logits, fp32 softmax) on the last stage.
-Iteration = m·stage + bubble (p-1)/v·stage + p2p 2(v·m + p-1) messages of 2bsh/t bytes over
-InfiniBand with an NVLink all-gather (scatter/gather) when stages cross nodes + the dp gradient
-all-reduce of 2 bytes·params/(t·p), minus what hides under the last micro-batch's backward +
-the Adam step (memory-bound over the local parameters). Memory per GPU: `paper_memory.py`.
+Pure arithmetic, so it predicts layouts this machine cannot run: tensor split t, p pipeline
+stages (1F1B; v chunks per stage when interleaved), d replicas on n = t*p*d GPUs of a
+`Cluster`, full recomputation, as in Narayanan et al. 2021 (arXiv:2104.04473). The work per
+iteration is the paper's Eq. 3, F = 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)); `megatron_table.py`
+holds what to check it on, `paper_memory.py` the memory per GPU.
+Rationale: docs/internals.md#plannerpaperpy
 """
 
 from __future__ import annotations
@@ -41,8 +17,9 @@ from meshsplit.plan import PlanError, divisors
 from meshsplit.planner.cluster import Cluster
 from meshsplit.planner.machine import Link
 from meshsplit.planner.paper_memory import layout_memory
+from meshsplit.planner.paper_model import GPTModel, Layout
 
-__all__ = ["GPTModel", "Layout", "Prediction", "Ranking", "best_layout", "predict"]
+__all__ = ["Prediction", "Ranking", "best_layout", "predict"]
 
 KERNEL_EFFICIENCY = 0.79
 """The one calibrated constant: the fraction of a device's best large-GEMM FLOP/s that the
@@ -65,79 +42,6 @@ TERMS = {
     "optimizer": "optimizer step",
 }
 """Iteration-time terms and how a sentence names them."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTModel:
-    """A GPT-style decoder: l layers of attention + 4h MLP, tied embedding and logit layer."""
-
-    layers: int
-    """Transformer layers l."""
-    hidden: int
-    """Hidden size h (a multiple of heads)."""
-    heads: int
-    """Attention heads a."""
-    seq_len: int = 2048
-    """Sequence length s."""
-    vocab: int = 51200
-    """Vocabulary size V."""
-    dtype: str = "fp16"
-    """Compute dtype, a key of Cluster.flops."""
-    name: str = ""
-    """Label for tables."""
-
-    def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"GPTModel.{key}={value!r} must be a positive integer")
-        if self.hidden % self.heads:
-            raise PlanError(
-                f"GPTModel.hidden={self.hidden} is not a multiple of heads="
-                f"{self.heads}; use hidden = heads * head size"
-            )
-
-    @property
-    def parameters(self) -> float:
-        """P = 12lh²(1 + 13/(12h) + (V+s)/(12lh)), the paper's Eq. 2."""
-        n, h = self.layers, self.hidden
-        return 12 * n * h * h * (1 + 13 / (12 * h) + (self.vocab + self.seq_len) / (12 * n * h))
-
-    def flops(self, batch: int) -> float:
-        """F = 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) per iteration, recomputation included."""
-        s, n, h = self.seq_len, self.layers, self.hidden
-        return 96 * batch * s * n * h * h * (1 + s / (6 * h) + self.vocab / (16 * n * h))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """How n = tp * pp * dp GPUs split the model, and the pipeline's unit of work."""
-
-    tp: int
-    """Tensor-parallel size t."""
-    pp: int
-    """Pipeline stages p."""
-    dp: int
-    """Data-parallel replicas d."""
-    micro_batch: int
-    """Sequences per micro-batch b."""
-    interleave: int = 1
-    """Model chunks per stage v (1: plain 1F1B; more: interleaved 1F1B)."""
-
-    @property
-    def gpus(self) -> int:
-        """n = t * p * d."""
-        return self.tp * self.pp * self.dp
-
-    @property
-    def mesh(self) -> tuple[int, int, int]:
-        """(t, p, d)."""
-        return (self.tp, self.pp, self.dp)
-
-    def describe(self) -> str:
-        """A label such as 't8 p64 d6 b1 v2'."""
-        text = f"t{self.tp} p{self.pp} d{self.dp} b{self.micro_batch}"
-        return text + (f" v{self.interleave}" if self.interleave > 1 else "")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,17 +1,9 @@
 """Peak bytes per GPU of a Megatron-style layout with full recomputation, for paper mode.
 
-On the fullest stage, with P_stage the parameters one stage holds and t, p, v, b, s, h, a, V
-as in `paper.py`:
-    states       16·P_stage/t: fp16 weight and gradient, fp32 master weight, Adam m and v;
-    checkpoints  2bsh per layer per micro-batch in flight (each layer's fp16 input, the only
-                 activation kept under full recomputation, whole on every tp rank);
-    working      bsh·(10 + 24/t + 5as/(ht)): one layer's full activations while it is
-                 recomputed and differentiated (Korthikanti et al. 2022, tensor parallel
-                 without sequence parallel);
-    logits       10·bsV/t on the last stage (fp16 logits, fp32 softmax and its gradient).
-In flight: plain 1F1B holds min(p, m) micro-batches on the first stage and 1 on the last;
-interleaved with v chunks (Megatron's warm-up) holds 2(p-1) + (v-1)p + 1 chunks on the first
-and (v-1)p + 1 on the last, each chunk l/(pv) layers.
+On the fullest stage: model states of 16 bytes per parameter over t, each layer's fp16 input
+per micro-batch in flight, one layer's full activations while it is recomputed (Korthikanti
+et al. 2022) and, on the last stage, the logits. Each term and the micro-batches in flight:
+docs/internals.md#plannerpaper_memorypy
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from meshsplit.planner.cluster import Cluster
-    from meshsplit.planner.paper import GPTModel, Layout
+    from meshsplit.planner.paper_model import GPTModel, Layout
 
 __all__ = ["Memory", "layout_memory"]
 
@@ -66,7 +58,7 @@ class Memory:
 def layout_memory(
     model: GPTModel, cluster: Cluster, layout: Layout, batch: int, local_params: float
 ) -> Memory:
-    """Peak bytes per GPU of `layout` (see the module docstring for each term)."""
+    """Peak bytes per GPU of `layout` (each term: docs/internals.md#plannerpaper_memorypy)."""
     t, p, v, b = layout.tp, layout.pp, layout.interleave, layout.micro_batch
     s, h, a, vocab = model.seq_len, model.hidden, model.heads, model.vocab
     m, per_stage = batch // (layout.dp * b), model.layers // p

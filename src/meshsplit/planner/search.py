@@ -48,7 +48,7 @@ def _variants(plan: Plan) -> list[Plan]:
             tp=plan.tp,
             micro_batches=plan.micro_batches,
             schedule=s,
-            checkpoint=c,
+            recompute=c,
             zero=z,
             memory_budget=plan.memory_budget,
         )
@@ -130,7 +130,7 @@ def _simplicity(plan: Plan) -> tuple[int, int, int, int]:
     """Ties go to the plan with fewer moving parts."""
     return (
         sum(n > 1 for n in (plan.dp, plan.pp, plan.tp)),
-        plan.checkpoint != "never",
+        plan.recompute != "never",
         int(plan.zero),
         plan.micro_batches,
     )

@@ -18,7 +18,7 @@ from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.job.launch import launch, threads_per_worker
-from meshsplit.runtime.engine import OptimizerFactory
+from meshsplit.runtime.parallelize import OptimizerFactory
 
 __all__: list[str] = []
 

@@ -1,13 +1,9 @@
 """`estimate_memory`: every rank's memory under a plan, in one process, before any launch.
 
-Each distinct rank (one per pipeline stage and operator-split index; data-parallel replicas
-hold the same) runs two real train_steps of its own part of the model in this process,
-joined to a fake process group in which every collective returns at once, and the
-live-tensor tracker counts what it holds; the second (steady) step is the estimate. The
-rank runs exactly the code a worker runs — split, buckets, receive pools, schedule,
-recompute — so what is measured is what a worker will hold, up to the values in the
-buffers, which are not computed. A later stage learns the shapes an earlier stage sends from
-that stage's own run, so stages are run first to last.
+Each distinct rank runs two real train_steps of its own part of the model, joined to a fake
+process group whose collectives return at once, while the live-tensor tracker counts; the
+steady second step is the estimate. It runs exactly a worker's code, so what is measured is
+what a worker will hold. Rationale: docs/internals.md#plannersimulatepy
 """
 
 from __future__ import annotations
@@ -28,7 +24,8 @@ from meshsplit.memory.lazy_model import ModelSource
 from meshsplit.pipeline.p2p import TensorMeta
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan, PlanError
-from meshsplit.runtime.engine import Engine, OptimizerFactory, parallelize
+from meshsplit.runtime.engine import Engine
+from meshsplit.runtime.parallelize import OptimizerFactory, parallelize
 from meshsplit.runtime.rank_memory import counting_only
 
 __all__ = ["estimate_memory"]

@@ -1,12 +1,9 @@
 """Checkpoints that outlive the processes and the plan, on `torch.distributed.checkpoint`.
 
-Every rank hands DCP its own part under the ORIGINAL model's names: `model/<name>` and
-`optim/<name>/<key>`. A tensor split by the operator split goes in as a DTensor sharded
-over tp, so DCP records its global shape and any later plan reads the slice it needs;
-replicas over dp (and replicated tensors over tp) share a key and are written once; pipeline
-stages hold disjoint names. A save writes `step-N.partial/`, renames it to `step-N/` once
-every rank has finished, and only then moves the `latest` pointer, so an interrupted save
-never touches the previous good checkpoint.
+Every rank hands DCP its own part under the ORIGINAL model's names, tp shards as DTensors, so
+any later plan reads the slice it needs. A save goes to `step-N.partial/` and is renamed once
+every rank has finished, so an interrupted save never touches the last good checkpoint.
+Rationale: docs/internals.md#runtimecheckpointpy
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshsplit import tensor as tp_tensor
 from meshsplit.memory import pools
 from meshsplit.mesh import Mesh
-from meshsplit.plan import Plan
+from meshsplit.plan import Plan, PlanError
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
@@ -44,39 +42,45 @@ class CheckpointError(RuntimeError):
 class _LocalState(Protocol):
     def local_state_dict(self) -> dict[str, torch.Tensor]: ...
 
-    def named_parameters(self) -> dict[torch.Tensor, str]: ...
+    def parameter_names(self) -> dict[torch.Tensor, str]: ...
 
 
-class Engine(Protocol):
-    """What a checkpoint reads and restores: the engine, seen from here."""
+@dataclass
+class Training:
+    """What a checkpoint reads and restores: this rank's part of the model, its optimizer
+    (None before the model is split: no state exists yet), and where training is."""
 
     plan: Plan
     mesh: Mesh
+    runner: _LocalState
+    optimizer: torch.optim.Optimizer | None
+    layouts: dict[str, tuple[int, int]]
+    """State-dict name -> (dimension, parts) of every tensor the operator split cut."""
     steps: int
     data_position: dict[str, int]
 
-    @property
-    def runner(self) -> _LocalState: ...
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """None before the model is split: no optimizer state exists yet."""
-        ...
+def check_plan(plan: Plan) -> None:
+    """Refuse checkpoints where the training state is not on the workers."""
+    if plan.sync == "ps":
+        raise PlanError(
+            "checkpoints of sync='ps' plans are not supported: the optimizer state lives "
+            "on the parameter servers; save full_state_dict() instead, or train with "
+            "sync='allreduce' to checkpoint and resume"
+        )
 
-    def shard_layouts(self) -> dict[str, tuple[int, int]]: ...
 
-
-def save(engine: Engine, directory: str | os.PathLike[str]) -> Path:
-    """Write the engine's training state to `directory/step-N/` and point `latest` at it."""
+def save(training: Training, directory: str | os.PathLike[str]) -> Path:
+    """Write the training state to `directory/step-N/` and point `latest` at it."""
     root = Path(directory)
     names: list[Any] = [None]
     if dist.get_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        names[0] = _fresh_name(root, engine.steps)
+        names[0] = _fresh_name(root, training.steps)
     dist.broadcast_object_list(names, src=0)
     final = root / names[0]
     staging = root / f"{names[0]}.partial"
-    dcp.save(_state(engine), checkpoint_id=staging)
+    dcp.save(_state(training), checkpoint_id=staging)
     dist.barrier()
     if dist.get_rank() == 0:
         os.replace(staging, final)
@@ -93,12 +97,12 @@ def check_readable(path: Path) -> None:
     _metadata(path)
 
 
-def load(engine: Engine, directory: str | os.PathLike[str]) -> Path:
+def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     """Restore model, optimizer, step count, RNG and data position; the plan may differ."""
     path = resolve(directory)
     metadata = _metadata(path)
-    _ensure_optimizer_state(engine)
-    state = _state(engine)
+    _ensure_optimizer_state(training)
+    state = _state(training)
     rng_key = f"rng/rank{dist.get_rank()}"
     state = {
         key: value
@@ -108,20 +112,20 @@ def load(engine: Engine, directory: str | os.PathLike[str]) -> Path:
     }
     _check_fits(state, metadata, path)
     dcp.load(state, storage_reader=FileSystemReader(path))
-    layouts = _layouts(engine)
+    layouts = _layouts(training)
     with torch.no_grad():
-        for key, live in _live_tensors(engine):
+        for key, live in _live_tensors(training):
             loaded = state.get(key)
             if isinstance(loaded, DTensor):
                 live.copy_(loaded.to_local())
             elif key in layouts and isinstance(loaded, torch.Tensor) and loaded is not live:
                 dim, parts = layouts[key]
-                group = engine.mesh.group("tp")
+                group = training.mesh.group("tp")
                 rank, size = dist.get_rank(group), dist.get_world_size(group)
                 live.copy_(tp_tensor.local_shard(loaded, dim, parts, rank, size))
     progress = state["progress"]
-    engine.steps = progress["steps"]
-    engine.data_position = dict(progress["data_position"])
+    training.steps = progress["steps"]
+    training.data_position = dict(progress["data_position"])
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
     return path
@@ -192,12 +196,12 @@ def _metadata(path: Path) -> Metadata:
         ) from error
 
 
-def _layouts(engine: Engine) -> dict[str, tuple[int, int]]:
+def _layouts(training: Training) -> dict[str, tuple[int, int]]:
     """Checkpoint key -> (dim, parts) of every tp-split model or optimizer tensor here."""
-    layouts = engine.shard_layouts()
-    shapes = {name: t.shape for name, t in engine.runner.local_state_dict().items()}
+    layouts = training.layouts
+    shapes = {name: t.shape for name, t in training.runner.local_state_dict().items()}
     found = {}
-    for key, live in _live_tensors(engine):
+    for key, live in _live_tensors(training):
         name = key.split("/", 2)[1]
         # optimizer state shaped like its parameter (momenta) is split the same way
         if name in layouts and live.shape == shapes[name]:
@@ -205,39 +209,39 @@ def _layouts(engine: Engine) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _placed(tensor: torch.Tensor, layout: tuple[int, int] | None, engine: Engine) -> Any:
+def _placed(tensor: torch.Tensor, layout: tuple[int, int] | None, training: Training) -> Any:
     """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), the whole
     tensor gathered (a fused tensor's blocks are not contiguous), or the tensor itself."""
     if layout is None:
         return tensor
     dim, parts = layout
     if parts == 1:
-        tp_mesh = engine.mesh.device_mesh["tp"]
+        tp_mesh = training.mesh.device_mesh["tp"]
         return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
-    return tp_tensor.unshard_tensor(tensor, dim, parts, engine.mesh.group("tp"))
+    return tp_tensor.unshard_tensor(tensor, dim, parts, training.mesh.group("tp"))
 
 
-def _live_tensors(engine: Engine) -> Iterator[tuple[str, torch.Tensor]]:
+def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint key, live tensor) for every model tensor and optimizer state tensor."""
-    for name, tensor in engine.runner.local_state_dict().items():
+    for name, tensor in training.runner.local_state_dict().items():
         yield f"model/{name}", tensor
-    optimizer = _local_optimizer(engine)
+    optimizer = _local_optimizer(training)
     if optimizer is None:
         return
-    name_of = engine.runner.named_parameters()
+    name_of = training.runner.parameter_names()
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 yield f"optim/{name_of[param]}/{key}", value
 
 
-def _state(engine: Engine) -> dict[str, Any]:
-    layouts = _layouts(engine)
+def _state(training: Training) -> dict[str, Any]:
+    layouts = _layouts(training)
     state: dict[str, Any] = {
-        key: _placed(tensor, layouts.get(key), engine) for key, tensor in _live_tensors(engine)
+        key: _placed(tensor, layouts.get(key), training) for key, tensor in _live_tensors(training)
     }
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
-    state["progress"] = {"steps": engine.steps, "data_position": dict(engine.data_position)}
+    state["progress"] = {"steps": training.steps, "data_position": dict(training.data_position)}
     return state
 
 
@@ -261,14 +265,14 @@ def _check_fits(state: dict[str, Any], metadata: Metadata, path: Path) -> None:
                 )
 
 
-def _local_optimizer(engine: Engine) -> torch.optim.Optimizer | None:
+def _local_optimizer(training: Training) -> torch.optim.Optimizer | None:
     """The optimizer that holds this rank's state (the inner one under ZeRO)."""
-    optimizer = engine.optimizer
+    optimizer = training.optimizer
     return None if optimizer is None else pools.local_optimizer(optimizer)
 
 
-def _ensure_optimizer_state(engine: Engine) -> None:
+def _ensure_optimizer_state(training: Training) -> None:
     """Create the optimizer's state tensors (lazy in torch) for the load to fill."""
-    optimizer = _local_optimizer(engine)
+    optimizer = _local_optimizer(training)
     if optimizer is not None:
         pools.create_state(optimizer)

@@ -2,7 +2,7 @@
 
 Before the first step the rank's lasting state is known exactly (its split is built): it is
 held to Plan.memory_budget there, on every rank at once so all refuse together, and under
-checkpoint='auto' the blocks to recompute are chosen (memory/budget.py). In every step the
+recompute='auto' the blocks to recompute are chosen (memory/budget.py). In every step the
 live tensors are counted — the allocator's peak on GPU, the dispatch-level tracker on CPU
 (memory/tracker.py) — and the budget is enforced: by the allocator on GPU, at the end of
 each phase on CPU.
@@ -22,7 +22,13 @@ from meshsplit import phases
 from meshsplit.data_parallel import Sync
 from meshsplit.memory import recompute
 from meshsplit.memory.budget import RankBudget, fit_budget, optimizer_need
-from meshsplit.memory.report import optimizer_tensors, tensor_bytes
+from meshsplit.memory.report import (
+    MemoryReport,
+    optimizer_bytes,
+    optimizer_tensors,
+    peak_bytes,
+    tensor_bytes,
+)
 from meshsplit.memory.tracker import Holders, LiveTensors, MemoryBudgetError, Peak, Sample
 from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.pipeline.runner import PipelineRunner
@@ -68,16 +74,16 @@ class RankMemory:
 
     def fit(
         self,
-        model: nn.Module,
         runner: Runner,
         sync: Sync,
         make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         profile: recompute.BlockProfile | None,
-    ) -> None:
-        """Hold this rank to the budget before its first step; every rank calls this."""
+    ) -> list[str]:
+        """Hold this rank to the budget before its first step; every rank calls this.
+        Returns the blocks that recompute='auto' chose to fit it (none without a budget)."""
         plan = self.plan
         if plan.budget_bytes is None:
-            return
+            return []
         message = None
         try:
             self.budget = _fit(
@@ -91,11 +97,29 @@ class RankMemory:
         if refusals:
             raise PlanError("; ".join(refusals))
         assert self.budget is not None
-        recompute.recompute_blocks(model, self.budget.recompute)
         if self.mesh.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.mesh.device).total_memory
             fraction = min(1.0, plan.budget_bytes / total)
             torch.cuda.set_per_process_memory_fraction(fraction, self.mesh.device)
+        return list(self.budget.recompute)
+
+    def report(
+        self, runner: Runner, sync: Sync, optimizer: torch.optim.Optimizer, baseline: int
+    ) -> MemoryReport:
+        """This rank's peak memory and the bytes its parameters, gradients and optimizer hold."""
+        peak = self.peak
+        return MemoryReport(
+            rank=dist.get_rank(),
+            peak_bytes=peak_bytes(self.mesh.device),
+            tensor_peak_bytes=peak.bytes if peak is not None else None,
+            tensor_peak_phase=peak.phase if peak is not None else None,
+            tensor_breakdown=dict(peak.breakdown) if peak is not None else None,
+            baseline_bytes=baseline,
+            parameter_bytes=tensor_bytes(runner.parameters()),
+            gradient_bytes=sync.gradient_bytes(),
+            optimizer_bytes=optimizer_bytes(optimizer),
+            device=str(self.mesh.device),
+        )
 
     @contextmanager
     def step(self, runner: Runner, sync: Sync, optimizer: Any, number: int) -> Iterator[None]:
@@ -146,7 +170,7 @@ def _fit(
     *,
     refuse: bool,
 ) -> RankBudget:
-    local = set(runner.named_parameters().values())
+    local = set(runner.parameter_names().values())
     blocks = [] if profile is None else [b.name for b in profile.blocks]
     mine = [b for b in blocks if any(n.startswith(b + ".") for n in local)]
     in_flight = 1
@@ -168,6 +192,6 @@ def _fit(
         profile=profile,
         local_blocks=mine,
         in_flight=in_flight,
-        auto=plan.checkpoint == "auto",
+        auto=plan.recompute == "auto",
         refuse=refuse,
     )

@@ -51,7 +51,7 @@ class Runner(Protocol):
         """This process's parameters and buffers under the original model's names."""
         ...
 
-    def named_parameters(self) -> dict[torch.Tensor, str]:
+    def parameter_names(self) -> dict[torch.Tensor, str]:
         """This process's parameters, each with its name in the original model."""
         ...
 
@@ -106,7 +106,7 @@ class LocalRunner:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()
 
-    def named_parameters(self) -> dict[torch.Tensor, str]:
+    def parameter_names(self) -> dict[torch.Tensor, str]:
         return {p: name for name, p in self.module.named_parameters()}
 
     def communication_buffers(self) -> list[torch.Tensor]:

@@ -1,19 +1,10 @@
 """Trainer: fit and evaluate one model from a plain script; the workers start and end inside.
 
-`fit` checks the plan, the batch and the dataset against the model here, before any worker
-starts, then runs `plan.world_size` workers that each split the model with `parallelize`
-and train it with `Engine.fit`'s loop. Rank 0's progress bar prints to this terminal, its
-history comes back, and its full state dict is loaded into `trainer.model`.
-
-Local workers are forked (`launch(start_method="fork")`): they inherit the model, the
-optimizer factory and the data, nothing is pickled going in and the script is not re-run,
-so a script with no main guard works. Inside a torchrun worker the Trainer trains in this
-process on a copy of the model and loads the result into `model` on every rank.
-
-Between calls of `fit` the workers leave a checkpoint (parameters, optimizer state, steps,
-data position) in a folder the Trainer owns, so fit(epochs=1) twice trains exactly as
-fit(epochs=2) once. Not kept: under torchrun on several machines (no shared folder), and
-for parameter-server plans (their optimizer state lives on the servers).
+`fit` checks the plan, the batch and the dataset before any worker starts, then forks
+`plan.world_size` workers (nothing pickled, the script not re-run, so no main guard is needed)
+that split and train the model; rank 0's progress and history come back and its state dict is
+loaded into `trainer.model`. A checkpoint between calls makes fit(epochs=1) twice train exactly
+as fit(epochs=2) once. Rationale: docs/internals.md#runtimetrainerpy
 """
 
 from __future__ import annotations
@@ -33,12 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, scores, take_rows
-from meshsplit.job import faults
-from meshsplit.job.faults import InputError
-from meshsplit.job.launch import DEFAULT_TIMEOUT_S, WorkerError, in_torchrun, launch
+from meshsplit.job.context import in_torchrun
+from meshsplit.job.input_errors import InputError, explain_input_error
+from meshsplit.job.launch import DEFAULT_TIMEOUT_S, WorkerError, launch
 from meshsplit.plan import Plan, PlanError
 from meshsplit.runtime import training, user_data
-from meshsplit.runtime.engine import parallelize
+from meshsplit.runtime.parallelize import default_optimizer, parallelize
 
 __all__ = ["History", "Trainer"]
 
@@ -245,14 +236,14 @@ class Trainer:
         except Exception as error:
             where = f"Trainer checked 2 rows of the {name} before starting any worker"
             others = {"loss_fn": self.loss_fn}
-            found = faults.explain_input_error(error, self.model, x, where, others)
+            found = explain_input_error(error, self.model, x, where, others)
             raise (found or InputError(f"{where}: the model failed: {error}")) from error
 
 
 def _factory(optimizer: Optimizer | None) -> Callable[[Iterable[nn.Parameter]], Any]:
     """A function of the parameters that builds the optimizer in a worker."""
     if optimizer is None:
-        return lambda params: torch.optim.Adam(params, lr=1e-3)
+        return default_optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         if len(optimizer.param_groups) != 1 or optimizer.state:
             raise ValueError(

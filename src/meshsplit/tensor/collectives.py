@@ -11,16 +11,7 @@ below crosses that boundary in one direction and is the other's transpose in bac
 | `gather_from_tp`  | all-gather along `dim`      | keep this rank's slice of `dim`    |
 | `scatter_to_tp`   | keep this rank's slice      | all-gather along `dim`             |
 
-Every rank receives the same bits from an all-reduce or an all-gather, so whatever follows a
-region boundary (norms, biases, replicated layers) computes the same values and gradients on
-every tp rank. The group is passed in; nothing here reaches for a global group.
-
-Collectives run in `Staging` buffers kept per group, never in a tensor the model goes on
-using: a gloo collective's worker thread lets go of the tensors it touched a moment after the
-caller's wait returns, so a fresh tensor handed to it would be freed at a time that depends on
-thread scheduling. In staging buffers, which live as long as the group, every tensor the
-model sees is freed by the model itself, and a step holds the same bytes each time it runs
-(the bytes `ms.estimate_memory` predicts).
+Rationale: docs/internals.md#tensorcollectivespy
 """
 
 from __future__ import annotations

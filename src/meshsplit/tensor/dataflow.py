@@ -1,22 +1,12 @@
 """Column/row pairs found through the model's data flow, from one example input.
 
-A Megatron pair is column layers A_1..A_k (q, k, v; or gate, up) whose outputs reach the model
-output only through one row layer B (o; or down). Then, with A_j's output features and B's
-input features split into the same tp blocks (per head, and per part for a fused q|k|v),
+Column layers A_1..A_k (q, k, v; or gate, up) that reach the output only through one row layer
+B (o; or down) are a Megatron pair: with their features split into the same tp blocks,
 
     B(x) - b = sum_r  x_r · W_B[:, block r]ᵀ,   x_r = what B sees when each A_j emits block r,
 
-and the split activation never needs to be whole. Found in one process, in eval mode, by
-forward hooks:
-1. *candidates*: perturb A's output; B is the first later layer whose input changes, if
-   restoring B's input to its unperturbed value removes every change at the model output (so B
-   is A's only way out). The layers that share one B are its columns. Pairs are taken in the
-   order their row layers run, and a layer joins at most one pair (in an MLP chain
-   fc1 -> fc2 -> fc3 -> fc4 that gives fc1|fc2 and fc3|fc4).
-2. *validation*: simulate each rank r — the columns emit only block r, the head counts on the
-   modules between them and B (`split_size`, `num_heads`, ...) are divided by tp, B computes
-   its block of input features without bias — and check the sum over ranks equals B's output
-   minus its bias. A pair that fails is refused with the reason.
+so the split activation is never whole. Forward hooks find and check pairs in one process.
+Rationale: docs/internals.md#tensordataflowpy
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """A model's own tp plan: the `_tp_plan` that Hugging Face models carry, in meshsplit's terms.
 
-Transformers models declare how their layers split, relative to the model, with `*` standing
-for a layer index: {"model.layers.*.self_attn.q_proj": "colwise", ...}. The entries meshsplit
-has a parallel layer for map to its splits:
-
-| model's plan            | meshsplit split                              |
-| ----------------------- | -------------------------------------------- |
-| `colwise`               | column, output left split for a row partner  |
-| `rowwise`               | row, input taken split from column partners  |
-| `colwise_gather_output` | column, output gathered                      |
-| `embedding_rowwise`     | vocab (an Embedding's rows)                  |
-
-Any other style is not honoured: the layer falls back to meshsplit's own rule, with a reason.
-The model may sit under a wrapper (`m.` in `Wrap.m`): names here are the wrapper's.
+Transformers models declare how their layers split, `*` standing for a layer index. The styles
+meshsplit has a parallel layer for (`colwise`, `rowwise`, `colwise_gather_output`,
+`embedding_rowwise`) map to its column, row and vocab splits; any other style falls back to
+meshsplit's own rule, with a reason. Rationale: docs/internals.md#tensorhfplanpy
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Parallel layers: one operator's weight split over the tp group, built from the original layer.
 
-Each layer is created with `from_module(module, group, ...)`, which slices the original's
-weights, so the split model starts from exactly the parameters of the unsplit one. Parameter
-names stay `weight` and `bias`, so state-dict keys stay the original's; `shard_dims` says which
-of them are split and along which dimension, which is all un-sharding and checkpoints need.
-
-Pairs follow Megatron: a column layer (output split) feeding a row layer (input split) needs
-one all-reduce in forward (after the row layer) and one in backward (before the column layer).
-
-The layers stay ordinary modules; the region crossings are `torch.fx.wrap`-ed functions that
-take the layer, so a symbolic trace of a split model records each crossing as one call instead
-of descending into the collective. Attention split by heads lives in `attention.py`.
+`from_module(module, group, ...)` slices the original's weights, so the split model starts from
+the unsplit one's parameters under the same names; `shard_dims` says which are split along
+which dim. A column layer feeding a row layer (Megatron) needs one all-reduce in forward and
+one in backward. Attention split by heads lives in `attention.py`.
+Rationale: docs/internals.md#tensorlayerspy
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Cross-entropy on logits that stay split over the vocabulary, so they are never gathered.
 
-With a column-split output head (`gather_output=False`), rank i holds logits z_i for its
-vocabulary block [i·V/tp, (i+1)·V/tp). Per position:
+Rank i holds the logits z_i of its vocabulary block; per position
 
     loss = log sum_v exp(z_v - m) - (z_t - m),   m = max_v z_v (for stability only)
 
-m is an all-reduce (max) of the local maxima, with no gradient; the two sums over the
-vocabulary are local sums closed by `reduce_from_tp` (forward: all-reduce; backward:
-identity), so each rank's gradient is softmax(z)_i - onehot(t)_i on its own block.
+m is an all-reduce (max) with no gradient and the two vocabulary sums close with
+`reduce_from_tp`, so each rank's gradient is softmax(z)_i - onehot(t)_i on its own block.
+Rationale: docs/internals.md#tensorlosspy
 """
 
 from __future__ import annotations

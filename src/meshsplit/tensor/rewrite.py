@@ -1,40 +1,10 @@
 """The operator-split rule: which layer splits how, checked before any process does work.
 
-`plan_splits(model, tp, tp_plan, example=...)` needs no processes: it walks the model and
-returns one `Decision` per layer that holds parameters. `parallelize(model, mesh, tp_plan,
-example=...)` applies them.
-
-The rule, Megatron's pairing generalised to convolutions, in order of precedence:
-0. A user plan (rule 4) first; then the model's own tp plan (`hfplan.py`: Hugging Face's
-   `_tp_plan`), taken for each group of sibling layers only if every entry can be honoured;
-   then, given an example input, column/row pairs found through the data flow (`dataflow.py`,
-   q/k/v -> o and gate/up -> down wherever they sit, fused q|k|v split per part). Attention
-   whose kv-head count tp does not divide keeps q/k/v/o whole, with the reason.
-1. Attention (a module with Linear children q, k, v, out and an int `n_heads`) splits by heads:
-   one all-reduce in forward, one in backward.
-2. In an `nn.Sequential`, a Linear followed by a Linear (or a Conv2d by a Conv2d) with only
-   elementwise layers between them (ReLU, GELU, dropout, ...; pooling too between convs) is a
-   pair: the first splits by columns (output), the second by rows (input). The split activation
-   flows between them untouched: one all-reduce in forward, one in backward, per pair.
-3. A layer left alone (no partner) splits by columns with its output gathered (Linear, Conv2d)
-   or by vocabulary (Embedding) when tp divides it and it holds at least 1% of the model's
-   parameters; otherwise it is replicated, since a split would save little and still cost a
-   collective. Norms and any other layer with parameters are replicated. An Embedding tied to
-   an output Linear (one shared weight) splits by vocabulary rows with the Linear column-split
-   over the same rows, gathered: one shared shard keeps the tie.
-4. A user plan {"name": "column" | "row" | "vocab" | "heads" | "replicate"} overrides the rule
-   for the layers it names.
-
-Layers of rules 1, 2 and 4 must split: a tp that does not divide them raises `PlanError`
-naming the layer, its size and the tp values that divide every such layer.
-
-Replicated parameters (norms, row layers' biases, layers kept whole) get no gradient
-all-reduce over tp. We chose that over averaging because they see the same inputs and output
-gradients on every tp rank — every region boundary is an all-reduce or all-gather, which hands
-each rank the same bits — so their gradients are equal by construction and an average would
-be a collective per step that changes nothing (the tests check the bits stay equal). It holds
-while the replicated layers are deterministic given their inputs: dropout outside a split
-region needs the same RNG state on every tp rank.
+`plan_splits(model, tp, tp_plan, example=...)` walks the model with no processes and returns
+one `Decision` per layer with parameters; `parallelize(model, mesh, tp_plan, example=...)`
+applies them. The idea is Megatron's pairing, generalised to convolutions: a column split
+feeding a row split costs one all-reduce each way; a lone layer splits only when it is big
+enough to pay for its collective. Rationale: docs/internals.md#tensorrewritepy
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Where each split tensor's pieces lie, and putting them back together.
 
-A split tensor of size n along `dim` is cut into `parts` equal consecutive parts (parts=1: the
-whole tensor; parts=3: a fused q|k|v projection), and each part into tp equal blocks; rank r
-holds block r of every part, side by side:
+A split tensor is cut along `dim` into `parts` equal consecutive parts (3: a fused q|k|v), each
+into tp equal blocks; rank r holds block r of every part, side by side:
 
     full  = [P_0 | P_1 | ... | P_{parts-1}],   P_p = [B_p0 | B_p1 | ... | B_p,tp-1]
     local(r) = [B_0r | B_1r | ... | B_{parts-1},r]
 
-With parts=1 this is the plain contiguous r-th of tp blocks. Works on any module that holds
-parallel layers — a whole model or one pipeline stage cut from it — because each parallel
-layer says how its own parameters are split.
+Rationale: docs/internals.md#tensorshardspy
 """
 
 from __future__ import annotations

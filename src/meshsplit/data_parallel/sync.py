@@ -1,0 +1,136 @@
+"""Sync: how a replica's gradients meet the others', behind one interface.
+
+Three kinds keep it: all-reduced buckets (allreduce.py), FSDP2's reduce-scattered shards
+(zero.py, ZeRO 2 and 3) and parameter servers (ps.py). `training_state` is the one place
+that picks among them and makes the optimizer to match, so the engine above steps, syncs
+and closes any of them the same way and never names a kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit.data_parallel import ps
+from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.data_parallel.zero import shard_optimizer, shard_state
+from meshsplit.job.context import before_exit
+from meshsplit.plan import Plan, PlanError
+
+__all__: list[str] = []
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Sync(Protocol):
+    """One replica's gradient exchange with the others, step by step."""
+
+    def begin_step(self, backward_passes: int) -> None:
+        """Announce how many backward passes (micro-batches) reach each parameter."""
+        ...
+
+    def finish(self) -> None:
+        """Wait until this step's gradients are complete on this rank."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's gradients now (buckets, shards)."""
+        ...
+
+    def gradient_bytes(self) -> int:
+        """What this rank's gradients take while they exist."""
+        ...
+
+    def newest_parameters(self) -> None:
+        """Make every replica hold the same, newest parameters before they are read
+        (outputs, state dicts); every rank calls."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ShardUnits:
+    """Where ZeRO 2/3 may cut a module into FSDP2 units."""
+
+    names: list[str]
+    """The submodules each sharded alone (blocks, or a pipeline stage's items)."""
+    root_runs: bool
+    """Whether the module itself runs forward (then it is a unit too, for the rest)."""
+    keep_whole: tuple[nn.Parameter, ...] = ()
+    """Parameters another stage also holds (tied): never sharded."""
+
+
+@dataclass
+class TrainingState:
+    """A replica's gradient sync and the optimizer that goes with it."""
+
+    sync: Sync
+    optimizer: torch.optim.Optimizer
+    counted_optimizer: OptimizerFactory
+    """The optimizer whose state this rank holds, for the memory budget (a stateless one
+    when the state lives on parameter servers)."""
+    holds_optimizer_state: bool
+
+
+def check_servers(plan: Plan, builds_lazily: bool) -> None:
+    """Refuse, before any work, an engine the job's parameter servers cannot serve."""
+    ps.refuse_after_servers_left()
+    if builds_lazily and plan.sync == "ps":
+        raise PlanError(
+            "sync='ps' keeps the whole model on every worker and server: pass the built "
+            "model, not a factory or a meta-device model"
+        )
+
+
+def serve(
+    model: nn.Module,
+    plan: Plan,
+    make_optimizer: OptimizerFactory,
+    make_state: Callable[[torch.optim.Optimizer], object],
+) -> None:
+    """A parameter server's whole part of the job (it leaves the job's function after)."""
+    ps.serve(model, plan, make_optimizer, make_state)
+
+
+def training_state(
+    plan: Plan,
+    group: dist.ProcessGroup,
+    module: nn.Module,
+    parameters: Callable[[], Iterator[nn.Parameter]],
+    make_optimizer: OptimizerFactory,
+    units: ShardUnits,
+) -> TrainingState:
+    """The gradient sync over the dp `group` and the optimizer, as Plan.sync and Plan.zero
+    say: parameter servers, FSDP2 shards (zero 2, 3), or all-reduced buckets with the
+    optimizer state whole or dealt over dp (zero 1). `parameters` is read after sharding."""
+    if plan.sync == "ps":
+        client = ps.ParameterClient(parameters(), plan)
+        before_exit(client.close)  # the servers wait for every worker's goodbye
+        optimizer = ps.ServerOptimizer(parameters(), client)
+        return TrainingState(client, optimizer, ps.stateless_optimizer, False)
+    if plan.zero >= 2:
+        sharded = shard_state(
+            module,
+            units.names,
+            group,
+            stage=plan.zero,
+            bucket_mb=plan.bucket_mb,
+            root_runs=units.root_runs,
+            keep_whole=units.keep_whole,
+        )
+        return TrainingState(sharded, make_optimizer(parameters()), make_optimizer, True)
+    params = list(parameters())
+    sync = GradientSync(params, group, plan.bucket_mb)
+    if plan.zero == 1:
+        return TrainingState(
+            sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True
+        )
+    return TrainingState(sync, make_optimizer(params), make_optimizer, True)
