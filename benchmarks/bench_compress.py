@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,26 +25,26 @@ from torch import nn
 import meshsplit as ms
 from meshsplit.job.traffic import count_traffic
 from meshsplit.memory.tracker import CATEGORIES
+from meshsplit.runtime.parallelize import default_optimizer
 
 from rounds import take_turns
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": ms.models.mlp, "cnn": ms.models.cnn}
+MODELS = ("mlp", "cnn")
 KINDS = ("none", "bf16", "int8", "fp8")
 BATCH = 64
 
 
 def _model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return MODELS[name]()
-
-
-def _adam(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-3)
+    return ms.models.reference(name).model()
 
 
 def _engine(name: str, plan: ms.Plan, seed: int) -> ms.Engine:
     engine = ms.parallelize(
-        _model(name, seed), plan, optimizer=_adam, loss_fn=nn.CrossEntropyLoss()
+        _model(name, seed),
+        plan,
+        optimizer=default_optimizer,
+        loss_fn=ms.models.reference(name).loss(),
     )
     engine.memory.track = False  # the tracker's own cost would blur the step times
     return engine
@@ -57,7 +55,8 @@ def _train_and_time(
 ) -> dict[str, dict[str, float]]:
     """Runs in every worker: test accuracy after `epochs` (the mean over `seeds` seeds of
     weights and shuffle, and the lowest and highest), median step time, p2p bytes/step."""
-    train, test = ms.data.digits("train"), ms.data.digits("test")
+    reference = ms.models.reference(name)
+    train, test = reference.data("train"), reference.data("test")
     figures: dict[str, dict[str, float]] = {}
     for label, plan in plans.items():
         accuracies = []
@@ -91,13 +90,14 @@ def _train_and_time(
 
 def _saved_bytes(name: str, kind: str) -> int:
     """The largest count of saved-activation bytes in one step (one rank, this process)."""
-    train = ms.data.digits("train")
+    reference = ms.models.reference(name)
+    train = reference.data("train")
     estimate = ms.estimate_memory(
         _model(name),
         ms.Plan(compress=kind),
         (train[0][:BATCH].clone(), train[1][:BATCH].clone()),
-        optimizer=_adam,
-        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=default_optimizer,
+        loss_fn=reference.loss(),
         timeline=True,
     )
     at = CATEGORIES.index("activations")

@@ -31,20 +31,18 @@ import meshsplit as ms
 from meshsplit.memory.report import optimizer_tensors
 from meshsplit.memory.tracker import LiveTensors
 from meshsplit.mesh import local_tensor
+from meshsplit.runtime.parallelize import default_optimizer
 
 from rounds import take_turns
 
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "mlp": ms.models.mlp,
-    "cnn": ms.models.cnn,
-    "transformer": lambda: ms.models.transformer(n_layers=4),
-}
+MODELS: dict[str, dict[str, int]] = {"mlp": {}, "cnn": {}, "transformer": {"n_layers": 4}}
+"""The reference models, with the sizes that differ from their defaults."""
 
 PLANS = [
     ms.Plan(dp=4),
     ms.Plan(pp=4, micro_batches=4),
     ms.Plan(pp=4, micro_batches=4, schedule="gpipe"),
-    ms.Plan(pp=2, dp=2, micro_batches=4, checkpoint="always"),
+    ms.Plan(pp=2, dp=2, micro_batches=4, recompute="always"),
     ms.Plan(tp=4),
     ms.Plan(pp=2, tp=2, micro_batches=4),
     ms.Plan(dp=2, tp=2, micro_batches=2),
@@ -53,29 +51,23 @@ PLANS = [
 
 def _model(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return MODELS[name]()
+    return ms.models.reference(name).model(**MODELS[name])
 
 
 def _batch(name: str, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    if name == "transformer":
-        x = torch.randint(0, 256, (rows, 32), generator=g)
-        return x, x.roll(-1, 1)
-    return torch.randn(rows, 1, 28, 28, generator=g), torch.randint(0, 10, (rows,), generator=g)
+    return ms.models.reference(name).synthetic(rows, seed=1)
 
 
 def _loss(name: str) -> torch.nn.Module:
-    return ms.models.TokenCrossEntropy() if name == "transformer" else torch.nn.CrossEntropyLoss()
-
-
-def _adam(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-3)
+    return ms.models.reference(name).loss()
 
 
 def _measure(cases: list[tuple[str, ms.Plan]], rows: int) -> list[int]:
     peaks = []
     for name, plan in cases:
-        engine = ms.parallelize(_model(name), plan, optimizer=_adam, loss_fn=_loss(name))
+        engine = ms.parallelize(
+            _model(name), plan, optimizer=default_optimizer, loss_fn=_loss(name)
+        )
         for _ in range(2):
             engine.train_step(*_batch(name, rows))
         peaks.append(engine.memory_report().tensor_peak_bytes)
@@ -89,7 +81,11 @@ def estimate_grid(rows: int) -> None:
         for plan in PLANS:
             try:
                 estimate = ms.estimate_memory(
-                    _model(name), plan, _batch(name, rows), optimizer=_adam, loss_fn=_loss(name)
+                    _model(name),
+                    plan,
+                    _batch(name, rows),
+                    optimizer=default_optimizer,
+                    loss_fn=_loss(name),
                 )
             except ms.PlanError as error:  # e.g. a tp the model's widths do not divide
                 print(f"{name:12s} {plan.describe():26s} refused: {str(error)[:60]}")
@@ -100,7 +96,7 @@ def estimate_grid(rows: int) -> None:
     print(f"\n{'model':12s} {'plan':32s} {'rank':>4s} {'est MiB':>8s} {'meas MiB':>9s} error")
     worst = 0.0
     for index, ((name, plan), estimate) in enumerate(zip(cases, estimates, strict=True)):
-        label = plan.describe() + (f" {plan.checkpoint}" if plan.checkpoint != "never" else "")
+        label = plan.describe() + (f" {plan.recompute}" if plan.recompute != "never" else "")
         for rank, predicted in enumerate(estimate.ranks):
             real = measured[rank][index]
             error = (predicted.peak_bytes - real) / real
@@ -132,7 +128,7 @@ def tracker_overhead(rows: int, rounds: int) -> None:
 def _overhead(name: str, rows: int, rounds: int) -> tuple[dict[str, float], dict[str, int]]:
     """Median step time under each tracker over plain, and the peak each reports."""
     model, loss, batch = _model(name), _loss(name), _batch(name, rows)
-    optimizer = _adam(model.parameters())
+    optimizer = default_optimizer(model.parameters())
     _step(model, optimizer, batch, loss)  # optimizer state exists from here on
     peaks: dict[str, int] = {}
 
@@ -172,7 +168,7 @@ TECHNIQUES = {
     "zero=1": ms.Plan(dp=2, zero=1),
     "zero=2": ms.Plan(dp=2, zero=2),
     "zero=3": ms.Plan(dp=2, zero=3),
-    "recompute": ms.Plan(dp=2, checkpoint="always"),
+    "recompute": ms.Plan(dp=2, recompute="always"),
     "compress=bf16": ms.Plan(dp=2, compress="bf16"),
     "compress=int8": ms.Plan(dp=2, compress="int8"),
     "compress=fp8": ms.Plan(dp=2, compress="fp8"),
@@ -194,7 +190,7 @@ def _fsdp2(rows: int) -> tuple[Callable[[], None], dict[str, int]]:
         if name.startswith("block"):
             fully_shard(child)
     fully_shard(model)
-    optimizer, loss = _adam(model.parameters()), _loss("transformer")
+    optimizer, loss = default_optimizer(model.parameters()), _loss("transformer")
     x, y = _batch("transformer", rows)
     share = rows // dist.get_world_size()
     local = x[dist.get_rank() * share :][:share], y[dist.get_rank() * share :][:share]
@@ -223,7 +219,7 @@ def _techniques(rows: int, rounds: int) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     for label, plan in TECHNIQUES.items():
         engine = ms.parallelize(
-            _wide_transformer(), plan, optimizer=_adam, loss_fn=_loss("transformer")
+            _wide_transformer(), plan, optimizer=default_optimizer, loss_fn=_loss("transformer")
         )
         for _ in range(2):
             engine.train_step(*batch)

@@ -34,20 +34,17 @@ BATCHES = {"mlp": 256, "transformer": 32, "cnn": 64}
 
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
-    if name == "mlp":
-        return ms.models.mlp(MLP_WIDTHS)
-    return ms.models.transformer() if name == "transformer" else ms.models.cnn()
+    sizes = {"widths": MLP_WIDTHS} if name == "mlp" else {}
+    return ms.models.reference(name).model(**sizes)
 
 
 def _data(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if name == "transformer":
-        return ms.data.synthetic_tokens(BATCHES[name], seed=1)
-    x, y = ms.data.synthetic_images(BATCHES[name], seed=1)
+    x, y = ms.models.reference(name).synthetic(BATCHES[name], seed=1)
     return (x.flatten(1) if name == "mlp" else x), y
 
 
 def _loss(name: str) -> nn.Module:
-    return ms.models.TokenCrossEntropy() if name == "transformer" else nn.CrossEntropyLoss()
+    return ms.models.reference(name).loss()
 
 
 def _sgd(params) -> torch.optim.Optimizer:

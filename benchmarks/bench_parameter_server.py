@@ -27,21 +27,19 @@ from rich.console import Console
 from rich.table import Table
 
 import meshsplit as ms
+from meshsplit.runtime.parallelize import default_optimizer
 
 BATCH = 64
 WORKERS = 4
 STRAGGLER = WORKERS - 1
 
 
-def _adam(params) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-3)
-
-
 def _train(plan: ms.Plan, updates: int, straggle: bool, device_s: float) -> dict[str, float]:
     """Runs in every process: train until the model has had `updates` updates."""
     torch.manual_seed(0)
-    engine = ms.parallelize(ms.models.mlp(), plan, optimizer=_adam)
-    x, y = ms.data.digits("train")
+    mlp = ms.models.reference("mlp")
+    engine = ms.parallelize(mlp.model(), plan, optimizer=default_optimizer)
+    x, y = mlp.data("train")
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     per_epoch = len(x) // BATCH
     steps, started = 0, time.perf_counter()
@@ -54,7 +52,7 @@ def _train(plan: ms.Plan, updates: int, straggle: bool, device_s: float) -> dict
             time.sleep(time.perf_counter() - began)  # as long again: half speed
         steps += 1
     seconds = time.perf_counter() - started
-    scores = engine.evaluate(*ms.data.digits("test"))  # takes the newest parameters first
+    scores = engine.evaluate(*mlp.data("test"))  # takes the newest parameters first
     engine.close()
     return {"seconds": seconds, "steps": steps, "accuracy": scores["accuracy"]}
 

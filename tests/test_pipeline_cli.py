@@ -28,5 +28,5 @@ def test_train_with_layer_split_prints_stages_and_learns(tmp_path) -> None:
     assert "layer split" in done.stdout and "backward ms" in done.stdout
     assert "stage 1 | .. F0 B0" in done.stdout  # the 1F1B diagram under the table
     metrics = json.loads(out.read_text())
-    assert metrics["plan"]["pp"] == 2 and metrics["plan"]["checkpoint"] == "except_last"
+    assert metrics["plan"]["pp"] == 2 and metrics["plan"]["recompute"] == "except_last"
     assert metrics["test_accuracy"] >= 0.90

@@ -3,17 +3,34 @@
 All are plain `nn.Sequential` stacks of named layers, so the layer split can cut between any
 two of them and the operator split finds Linear/Conv2d/attention by walking the tree.
 Outputs are logits; pair them with `nn.CrossEntropyLoss` (the softmax lives in the loss).
+`reference(name)` keeps each model with its loss and data, so the command line, `compare`
+and the benchmarks train the same thing without each spelling it out.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["mlp", "cnn", "transformer", "TokenCrossEntropy", "SelfAttention", "Block"]
+from meshsplit import data
+
+__all__ = [
+    "REFERENCE_NAMES",
+    "Block",
+    "Reference",
+    "SelfAttention",
+    "TokenCrossEntropy",
+    "cnn",
+    "mlp",
+    "reference",
+    "transformer",
+]
 
 
 def mlp(widths: tuple[int, ...] = (784, 1024, 512, 256, 10)) -> nn.Sequential:
@@ -130,3 +147,74 @@ class TokenCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+TOKEN_ROWS = {"train": 2048, "test": 512}
+"""Counting sequences in the transformer's training and test sets."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reference:
+    """One reference model with the loss and the data it trains on."""
+
+    name: str
+    """'mlp', 'cnn' or 'transformer'."""
+    build: Callable[..., nn.Module]
+    """The model's factory; with no arguments it builds the default sizes."""
+    takes_tokens: bool
+    """Token ids (N, 32) in, a next token per position out; else 28x28 images and a class."""
+
+    def model(self, **sizes: Any) -> nn.Module:
+        """The model at its default sizes, or with `sizes` changed (e.g. n_layers=4)."""
+        return self.build(**sizes)
+
+    def loss(self) -> nn.Module:
+        """Cross-entropy per image, or per token position for the transformer."""
+        return TokenCrossEntropy() if self.takes_tokens else nn.CrossEntropyLoss()
+
+    def data(self, split: str) -> Batch:
+        """The learnable set of `split` ('train' or 'test'): digits for the image models;
+        counting sequences (2,048 to train, 512 to test) for the transformer."""
+        if not self.takes_tokens:
+            return data.digits(split)
+        if split not in TOKEN_ROWS:
+            raise ValueError(f"split={split!r}; use 'train' or 'test'")
+        return data.counting_tokens(TOKEN_ROWS[split], seed=0 if split == "train" else 1)
+
+    def example_batch(self, rows: int) -> Batch:
+        """The first `rows` of the training set: a batch to profile, estimate or plan with."""
+        inputs, targets = self.data("train")
+        return inputs[:rows], targets[:rows]
+
+    def samples(self, rows: int, seed: int = 0) -> Batch:
+        """Exactly `rows` learnable training rows: counting sequences drawn with `seed`, or
+        the digits' training set repeated as often as it takes (the digits are fixed)."""
+        if self.takes_tokens:
+            return data.counting_tokens(rows, seed=seed)
+        inputs, targets = data.digits("train")
+        repeats = -(-rows // len(inputs))
+        return inputs.repeat(repeats, 1, 1, 1)[:rows], targets.repeat(repeats)[:rows]
+
+    def synthetic(self, rows: int, seed: int = 0) -> Batch:
+        """`rows` random inputs and targets of the default sizes, for speed and memory."""
+        if self.takes_tokens:
+            return data.synthetic_tokens(rows, seed=seed)
+        return data.synthetic_images(rows, seed=seed)
+
+
+_REFERENCES = {
+    "mlp": Reference(name="mlp", build=mlp, takes_tokens=False),
+    "cnn": Reference(name="cnn", build=cnn, takes_tokens=False),
+    "transformer": Reference(name="transformer", build=transformer, takes_tokens=True),
+}
+REFERENCE_NAMES = tuple(_REFERENCES)
+"""The reference models by name, in the order the command line lists them."""
+
+
+def reference(name: str) -> Reference:
+    """The reference model `name` ('mlp', 'cnn' or 'transformer') with its loss and data."""
+    if name not in _REFERENCES:
+        raise ValueError(f"no reference model {name!r}; use one of {', '.join(REFERENCE_NAMES)}")
+    return _REFERENCES[name]

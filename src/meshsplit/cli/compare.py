@@ -9,7 +9,6 @@ reference every plan's losses must match.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from meshsplit import data, models
+from meshsplit import models
 from meshsplit.cli import timeline
 from meshsplit.job.launch import WorkerError, launch
 from meshsplit.job.traffic import count_traffic
@@ -27,18 +26,12 @@ from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.simulate import estimate_memory
 from meshsplit.planner.workload import Workload
-from meshsplit.runtime.engine import parallelize
+from meshsplit.runtime.parallelize import parallelize
 
 __all__: list[str] = []
 
 LOSS_RTOL = 1e-4
 """Relative tolerance of the loss check over all steps (float summation order differs)."""
-
-MODELS: dict[str, Callable[[], torch.nn.Module]] = {
-    "mlp": models.mlp,
-    "cnn": models.cnn,
-    "transformer": models.transformer,
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,19 +86,12 @@ def candidate_plans(config: CompareConfig) -> list[Plan]:
 def batches(config: CompareConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed global batches every plan and the reference train on."""
     rows = config.batch_size * config.steps
-    if config.model == "transformer":
-        inputs, targets = data.counting_tokens(rows, seed=config.seed)
-    else:
-        inputs, targets = data.digits("train")
-        repeats = -(-rows // len(inputs))
-        inputs, targets = inputs.repeat(repeats, 1, 1, 1)[:rows], targets.repeat(repeats)[:rows]
+    inputs, targets = models.reference(config.model).samples(rows, seed=config.seed)
     return list(zip(inputs.split(config.batch_size), targets.split(config.batch_size), strict=True))
 
 
 def _loss_fn(config: CompareConfig) -> torch.nn.Module:
-    if config.model == "transformer":
-        return models.TokenCrossEntropy()
-    return torch.nn.CrossEntropyLoss()
+    return models.reference(config.model).loss()
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
@@ -114,7 +100,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 def _model(config: CompareConfig) -> torch.nn.Module:
     torch.manual_seed(config.seed)
-    return MODELS[config.model]()
+    return models.reference(config.model).model()
 
 
 def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from meshsplit.memory.estimate import MemoryEstimate
 from meshsplit.memory.tracker import CATEGORIES
 from meshsplit.plan import Plan
 from meshsplit.planner.simulate import estimate_memory
-from meshsplit.runtime.engine import OptimizerFactory, parallelize
+from meshsplit.runtime.parallelize import OptimizerFactory, parallelize
 
 __all__: list[str] = []
 

@@ -1,5 +1,6 @@
 """What `meshsplit plan` shows: the ranked plans with their terms, why each lost, and why
-the others cannot run; and the report as JSON."""
+the others cannot run; and the report as JSON. `choose` makes the report for a reference
+model, the same one `meshsplit train --plan auto` follows."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from meshsplit import models
 from meshsplit.memory.tracker import format_bytes
-from meshsplit.planner.choose import PlanReport
+from meshsplit.planner.choose import PlanReport, choose_plan
+from meshsplit.runtime.parallelize import default_optimizer
 
 __all__: list[str] = []
 
@@ -25,6 +28,27 @@ _COLUMNS = (
     ("optimizer", "optim"),
     ("sharing", "shared cores"),
 )
+
+
+def choose(
+    model: str,
+    devices: int,
+    batch_size: int,
+    memory_budget: str | None = None,
+    cluster: str | None = None,
+) -> PlanReport:
+    """The planner's report for the reference model `model` on `devices` devices, priced on
+    the first `batch_size` training rows (`cluster`: a machine that is not this one)."""
+    reference = models.reference(model)
+    return choose_plan(
+        reference.model(),
+        reference.example_batch(batch_size),
+        devices,
+        optimizer=default_optimizer,
+        loss_fn=reference.loss(),
+        memory_budget=memory_budget,
+        cluster=cluster,
+    )
 
 
 def table(report: PlanReport, top: int = 12) -> Group:
