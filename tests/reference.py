@@ -98,6 +98,9 @@ def train_parallel(
 def assert_matches(
     results: list[tuple[list[float], dict[str, torch.Tensor]]],
     expected: tuple[list[float], dict[str, torch.Tensor]],
+    *,
+    rtol: float = RTOL,
+    atol: float = ATOL,
 ) -> None:
     """Every rank's losses and full state equal the single-process run."""
     want_losses, want_state = expected
@@ -105,8 +108,8 @@ def assert_matches(
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(want_losses),
-            rtol=RTOL,
-            atol=ATOL,
+            rtol=rtol,
+            atol=atol,
             msg=lambda m, rank=rank: f"rank {rank} losses: {m}",
         )
         assert state.keys() == want_state.keys(), f"rank {rank} state keys differ"
@@ -114,7 +117,7 @@ def assert_matches(
             torch.testing.assert_close(
                 state[key],
                 value,
-                rtol=RTOL,
-                atol=ATOL,
+                rtol=rtol,
+                atol=atol,
                 msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}",
             )

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import meshsplit as ms
 from meshsplit.batchnorm import BatchNorm, commit_batchnorm, convert_batchnorm, describe_batchnorm
 from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.gather import ALL_GATHER
 
 from reference import ATOL, RTOL
 
@@ -90,8 +91,8 @@ def _train(
     sync = GradientSync(params, group, bucket_mb=0.0005) if group is not None else None
     loss_fn = nn.CrossEntropyLoss()
     losses, gathers = [], []
-    wrapped = dist.all_gather_single
-    with mock.patch.object(dist, "all_gather_single", wraps=wrapped) as counter:
+    wrapped = getattr(dist, ALL_GATHER)
+    with mock.patch.object(dist, ALL_GATHER, wraps=wrapped) as counter:
         for x, y in _batches(name):
             x, y = _regroup(x, regroup, micro_batches), _regroup(y, regroup, micro_batches)
             counter.reset_mock()

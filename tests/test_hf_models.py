@@ -31,8 +31,8 @@ PLANS = {
 
 
 SCHEDULES = {
-    (1, 4, 1): {"schedule": "gpipe", "checkpoint": "always"},
-    (2, 2, 1): {"schedule": "1f1b", "checkpoint": "except_last"},
+    (1, 4, 1): {"schedule": "gpipe", "recompute": "always"},
+    (2, 2, 1): {"schedule": "1f1b", "recompute": "except_last"},
 }
 """Both schedules and recompute on the block front end; other plans run 1F1B without it."""
 

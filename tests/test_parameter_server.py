@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from test_hf_models import ATOL as HF_ATOL
+from test_hf_models import RTOL as HF_RTOL
 from test_hf_models import _batches, _build, _loss, _sgd, _single
 
 import meshsplit as ms
@@ -234,7 +236,9 @@ def _hugging_face(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("model", ["gpt2", "resnet"])  # tied embeddings; BatchNorm
 def test_hugging_face_models_under_synchronous_servers_match_one_process(model: str) -> None:
     *workers, first, second = ms.launch(_hugging_face, 4, args=(model,))
-    assert_matches(workers, _single(model))
+    # the tolerance test_hf_models holds these models to under every other plan: 3 steps of
+    # SGD with momentum 0.9 through BatchNorm grow summation-order noise past 1e-6
+    assert_matches(workers, _single(model), rtol=HF_RTOL, atol=HF_ATOL)
     assert abs(first["held_bytes"] - second["held_bytes"]) < 0.1 * first["held_bytes"]
 
 

@@ -18,10 +18,11 @@ import pytest
 import torch.distributed as dist
 
 import meshsplit as ms
+from meshsplit.gather import ALL_GATHER
 
 from reference import batches, build, loss_for
 
-COUNTED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "broadcast")
+COUNTED = ("all_reduce", ALL_GATHER, "broadcast")
 
 
 @contextmanager
@@ -78,8 +79,8 @@ EXPECTED = {
     # forward: embedding 1 + per block (attention 1 + mlp pair 1), head gathers its logits;
     # backward: per block (attention copy 1 + mlp copy 1) + head copy 1.
     "transformer": (
-        {"all_reduce": 1 + 2 * 2, "all_gather_single": 1},
-        {"all_reduce": (1 + 2 * 2) + (2 * 2 + 1), "all_gather_single": 1},
+        {"all_reduce": 1 + 2 * 2, ALL_GATHER: 1},
+        {"all_reduce": (1 + 2 * 2) + (2 * 2 + 1), ALL_GATHER: 1},
     ),
 }
 

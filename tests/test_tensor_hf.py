@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 
 import meshsplit as ms  # noqa: E402
 from meshsplit import tensor  # noqa: E402
+from meshsplit.gather import ALL_GATHER  # noqa: E402
 from meshsplit.mesh import Mesh  # noqa: E402
 from meshsplit.tensor import plan_splits  # noqa: E402
 from meshsplit.tensor.shards import local_shard, shard_layouts  # noqa: E402
@@ -149,9 +150,9 @@ def test_local_shard_takes_block_r_of_each_fused_part() -> None:
 
 @contextmanager
 def _all_reduces(group: dist.ProcessGroup) -> Iterator[Counter[str]]:
-    """Count all_reduce and all_gather_single calls on `group`."""
+    """Count all_reduce and flat all-gather calls on `group`."""
     counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", ALL_GATHER)}
 
     def counted(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from meshsplit.gather import all_gather_flat
+
 __all__ = ["BatchNorm", "commit_batchnorm", "convert_batchnorm", "describe_batchnorm"]
 
 _INPUT_DIMS: dict[type[nn.Module], tuple[int, ...]] = {
@@ -278,7 +280,7 @@ def _moments(
         return count, mean, m2
     mine = torch.cat([count.view(1), mean, m2])
     gathered = mine.new_empty(world * mine.numel())
-    dist.all_gather_single(gathered, mine, group=group)
+    all_gather_flat(gathered, mine, group=group)
     parts = gathered.view(world, -1)
     channels = x.size(1)
     return _combine(parts[:, :1], parts[:, 1 : 1 + channels], parts[:, 1 + channels :])

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshsplit.gather import all_gather_flat
 from meshsplit.phases import waiting
 
 __all__: list[str] = []
@@ -144,6 +145,6 @@ def gather_rows(mine: Any, replica_rows: list[int], group: dist.ProcessGroup) ->
     padded = mine.new_zeros((longest, *mine.shape[1:]))
     padded[: len(mine)] = mine
     gathered = mine.new_empty((len(replica_rows) * longest, *mine.shape[1:]))
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    all_gather_flat(gathered, padded, group=group)
     pieces = gathered.split(longest)
     return torch.cat([p[:n] for p, n in zip(pieces, replica_rows, strict=True)])

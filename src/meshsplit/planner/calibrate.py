@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshsplit.gather import all_gather_flat, reduce_scatter_flat
 from meshsplit.job.launch import default_backend, launch
 from meshsplit.plan import PlanError
 from meshsplit.planner.fit import collective_seconds, compute_slowdown, fit_link
@@ -44,9 +45,6 @@ _MATMULS = 48
 _MATMUL_SIDE = {"cpu": 256, "cuda": 2048}
 """A 256x256 fp32 matmul takes ~0.4 ms on one CPU core: 48 of them take ~20 ms."""
 _LAUNCH_TIMEOUT_S = 120.0
-# torch 2.13 renames the flat-tensor collectives; older torch has only the old names.
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def machine_key(backend: str | None = None) -> str:
@@ -180,10 +178,10 @@ def _operation(
         return lambda: dist.all_reduce(payload)
     if op == "all_gather":
         gathered = torch.empty(numel * world, device=device)
-        return lambda: _ALL_GATHER(gathered, payload)
+        return lambda: all_gather_flat(gathered, payload)
     if op == "reduce_scatter":
         shard = torch.empty(numel // world, device=device)
-        return lambda: _REDUCE_SCATTER(shard, payload)
+        return lambda: reduce_scatter_flat(shard, payload)
     if op == "send_recv":
         return lambda: _send_recv(payload, rank)
     raise ValueError(f"no timing for operation {op!r}; operations: {OPERATIONS}")

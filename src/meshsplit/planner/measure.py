@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
+from meshsplit.gather import ALL_GATHER
 from meshsplit.job.traffic import count_traffic
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.cuts import Cuts, find_cuts
@@ -38,7 +39,7 @@ from meshsplit.runtime.rank_memory import counting_only
 
 __all__: list[str] = []
 
-_COLLECTIVES = {"all_reduce": "all_reduce", "all_gather_single": "all_gather"}
+_COLLECTIVES = {"all_reduce": "all_reduce", ALL_GATHER: "all_gather"}
 """torch.distributed functions the tp layers call -> the operation the cost model prices."""
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshsplit.gather import all_gather_flat
+
 __all__ = [
     "InputCopies",
     "Staging",
@@ -95,7 +97,7 @@ def all_gather_along(
         mine.copy_(tensor)
     else:
         rows, mine = tensor.new_empty(stacked), tensor.contiguous()
-    dist.all_gather_single(rows, mine, group=group)
+    all_gather_flat(rows, mine, group=group)
     return torch.cat(rows.chunk(size), dim=dim)
 
 
