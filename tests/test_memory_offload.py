@@ -177,6 +177,7 @@ def _on_gpu() -> dict[str, Any]:
     return results
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload to the host needs a GPU")
 def test_offloads_from_the_gpu_keep_the_numbers() -> None:
     [results] = ms.launch(_on_gpu, 1)

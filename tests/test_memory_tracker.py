@@ -97,3 +97,18 @@ def test_the_knapsack_frees_the_need_for_the_least_added_time() -> None:
         choose_blocks(blocks, in_flight=2, need_bytes=1000)
     ) == ["c"]
     assert sorted(choose_blocks(blocks, in_flight=1, need_bytes=10**9)) == ["a", "b", "c"]
+
+
+def test_the_default_counts_a_sample_of_the_steps_and_every_new_batch_shape() -> None:
+    from meshsplit.runtime.rank_memory import FIRST_COUNTED, SAMPLE_EVERY, RankMemory
+
+    memory = RankMemory(ms.Plan(), mesh=None)  # type: ignore[arg-type]
+    small, large = ((8, 4),), ((16, 4),)
+    counted = [n for n in range(1, 2 * SAMPLE_EVERY + 1) if memory.counts(n, small)]
+    assert counted == [*range(1, FIRST_COUNTED + 1), SAMPLE_EVERY, 2 * SAMPLE_EVERY]
+    assert memory.counts(2 * SAMPLE_EVERY + 1, large)  # a new shape allocates anew: counted
+    assert not memory.counts(2 * SAMPLE_EVERY + 2, large)
+    memory.track = True
+    assert memory.counts(2 * SAMPLE_EVERY + 3, small)
+    memory.track = False
+    assert not memory.counts(2 * SAMPLE_EVERY + 4, (("new",),))

@@ -46,6 +46,11 @@ def tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
+def shapes(tree: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """The shapes and dtypes of a batch's tensors: what makes two steps allocate alike."""
+    return tuple((tuple(t.shape), t.dtype) for t in tensors(tree))
+
+
 def rows(tree: Any) -> int:
     """The batch size: dimension 0 of the first tensor leaf (every leaf must agree)."""
     leaves = tensors(tree)

@@ -88,7 +88,7 @@ class Plan:
     nonfinite: str = "raise"
     """A NaN or infinite loss or gradient: 'raise' stops every rank with NonFiniteError
     naming the step, ranks and first parameter; 'skip' drops that update on every rank
-    alike; 'off' does not check (one small all-reduce a step less)."""
+    alike; 'off' does not check (one pass over the gradients a step less)."""
     sync: str = "allreduce"
     """How the dp replicas meet: 'allreduce' (gradients summed among them every step) or
     'ps' (parameter servers: `servers` more processes own the parameters and run the

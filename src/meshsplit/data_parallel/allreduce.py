@@ -111,6 +111,38 @@ class GradientSync:
         self._hooks.clear()
 
 
+class LocalGradients:
+    """One replica: nothing to sum, so no buckets. Autograd makes `.grad` in backward and the
+    step drops it after the optimizer (zero_grad(set_to_none=True)), as plain PyTorch does:
+    between steps no gradient memory is held."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+
+    def begin_step(self, backward_passes: int) -> None:
+        """Nothing to prepare."""
+
+    def finish(self) -> None:
+        """Nothing to wait for."""
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def newest_parameters(self) -> None:
+        """Nothing to do: there is one replica."""
+
+    def gradient_bytes(self) -> int:
+        """What the gradients take while they exist (in backward and the optimizer step)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def close(self) -> None:
+        self.params = []
+
+
 def _bucket_args(index: int, bucket: _Bucket) -> dict[str, Any]:
     """An all-reduce wait's args (built only for a clock): which bucket, its bytes, and
     whether its all-reduce started during backward (else it ran whole in the wait)."""

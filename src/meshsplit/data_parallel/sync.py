@@ -1,7 +1,8 @@
 """Sync: how a replica's gradients meet the others', behind one interface.
 
-Three kinds keep it: all-reduced buckets (allreduce.py), FSDP2's reduce-scattered shards
-(zero.py, ZeRO 2 and 3) and parameter servers (ps.py). `training_state` is the one place
+Four kinds keep it: all-reduced buckets (allreduce.py), a lone replica's own gradients (no
+buckets), FSDP2's reduce-scattered shards (zero.py, ZeRO 2 and 3) and parameter servers
+(ps.py). `training_state` is the one place
 that picks among them and makes the optimizer to match, so the engine above steps, syncs
 and closes any of them the same way and never names a kind.
 """
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.data_parallel import ps
-from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
 from meshsplit.data_parallel.zero import shard_optimizer, shard_state
 from meshsplit.job.context import before_exit
 from meshsplit.plan import Plan, PlanError
@@ -128,6 +129,8 @@ def training_state(
         )
         return TrainingState(sharded, make_optimizer(parameters()), make_optimizer, True)
     params = list(parameters())
+    if plan.zero == 0 and dist.get_world_size(group) == 1:
+        return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
     sync = GradientSync(params, group, plan.bucket_mb)
     if plan.zero == 1:
         return TrainingState(

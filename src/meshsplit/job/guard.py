@@ -14,7 +14,7 @@ from torch import nn
 
 from meshsplit.job.context import job_store
 from meshsplit.job.input_errors import explain_input_error
-from meshsplit.job.nonfinite import check_step
+from meshsplit.job.nonfinite import Agreed, agree
 from meshsplit.job.watchdog import Watchdog, explain_collective_error, stall_warning_s
 from meshsplit.mesh import Mesh
 
@@ -63,23 +63,31 @@ class StepGuard:
                 raise
             raise explained from error
 
-    def finite(
+    def agree(
         self,
         mode: str,
         loss: torch.Tensor,
         gradients: list[torch.Tensor],
         named: Iterable[tuple[str, nn.Parameter]],
         *,
+        loss_scale: float,
         rows: int,
         step: int,
         group: dist.ProcessGroup | None,
-    ) -> bool:
-        """Plan.nonfinite's check of this step's loss and gradients, and that every rank of
-        `group` had the same global batch (see nonfinite.check_step)."""
-        if mode == "off":
-            return True
-        return check_step(
-            loss, gradients, named, rows=rows, mode=mode, step=step, where=self.where, group=group
+    ) -> Agreed:
+        """The step's mean loss, Plan.nonfinite's check of its loss and gradients, and that
+        every rank of `group` had the same global batch, in one all-reduce (see
+        nonfinite.agree)."""
+        return agree(
+            loss,
+            gradients,
+            named,
+            loss_scale=loss_scale,
+            rows=rows,
+            mode=mode,
+            step=step,
+            where=self.where,
+            group=group,
         )
 
     def close(self) -> None:

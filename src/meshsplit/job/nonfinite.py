@@ -4,8 +4,9 @@ becomes the same decision on every rank, before the optimizer steps.
 After the gradients are synchronised, each rank checks its loss and its gradients (the
 float32 sum of each gradient bucket or shard: a NaN or infinity anywhere makes it
 non-finite, and no temporary as large as the gradients is made; a sum past float32's 3.4e38
-counts too); one all-reduce over the world tells every rank whether any rank saw one, so
-all ranks take the same branch: under 'raise' each raises the same `NonFiniteError` (the
+counts too); the all-reduce that carries the step's loss to every rank carries that flag
+too, before the optimizer steps, so the check adds no collective and no host sync of its
+own, and all ranks take the same branch: under 'raise' each raises the same `NonFiniteError` (the
 step, the ranks, and on each the first parameter whose gradient went non-finite); under
 'skip' every rank drops the update alike. The parameters are untouched either way: the
 check runs before the step.
@@ -14,6 +15,7 @@ check runs before the step.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,61 +41,86 @@ def nonfinite_parameter(named: Iterable[tuple[str, nn.Parameter]]) -> str | None
     return None
 
 
-def check_step(
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank of a step agreed on, in one all-reduce."""
+
+    loss: float
+    """The global batch's mean loss."""
+    finite: bool
+    """Whether every rank's loss and gradients were finite (always True under 'off')."""
+
+
+def agree(
     loss: torch.Tensor,
     gradients: list[torch.Tensor],
     named: Iterable[tuple[str, nn.Parameter]],
     *,
+    loss_scale: float,
     rows: int,
     mode: str,
     step: int,
     where: str,
     group: dist.ProcessGroup | None,
-) -> bool:
-    """Whether every rank's loss and gradients are finite (a collective over `group`, the
-    mesh's processes; None: this rank alone, for workers that do not wait for each other).
-    Under mode 'raise' a non-finite one raises NonFiniteError on every rank. The same
-    all-reduce compares the global batch each rank was given: ranks fed different batches
-    (a DataLoader per rank) raise InputError before the update."""
-    sums = [loss.detach().sum(dtype=torch.float32)]
-    sums += [local_tensor(g).sum(dtype=torch.float32) for g in gradients]
-    bad = not bool(torch.stack(sums).isfinite().all())
-    members = 1 if group is None else dist.get_world_size(group)
-    me = 0 if group is None else dist.get_rank(group)
-    seen = torch.zeros(2, members, dtype=torch.int64, device=loss.device)
-    seen[0, me], seen[1, me] = int(bad), rows
+) -> Agreed:
+    """The step's mean loss, whether it is finite everywhere, and that every rank of `group`
+    (the mesh's processes; None: this rank alone) had the same global batch: one all-reduce
+    of four numbers and one host sync, the one returning the loss needs anyway.
+
+    Each rank adds loss * loss_scale (its share of the global mean), 1 if its loss or a
+    gradient is not finite (not looked at under mode 'off'), its rows and their square: the
+    ranks had the same batch iff members * sum(rows^2) == sum(rows)^2. On a non-finite step,
+    'raise' raises NonFiniteError on every rank; ranks fed different batches (a DataLoader
+    per rank) raise InputError before the update."""
+    bad = torch.zeros((), dtype=torch.float64, device=loss.device)
+    if mode != "off":
+        sums = [loss.detach().sum(dtype=torch.float32)]
+        sums += [local_tensor(g).sum(dtype=torch.float32) for g in gradients]
+        bad = (~torch.stack(sums).isfinite().all()).to(torch.float64)
+    mine = loss.detach().to(torch.float64) * loss_scale
+    packet = torch.stack([mine, bad, mine.new_tensor(rows), mine.new_tensor(rows * rows)])
+    members = 1
     if group is not None:
-        dist.all_reduce(seen, group=group)
-    flags, batches = seen[0], seen[1].tolist()
-    if len(set(batches)) > 1:
-        given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(batches))
+        dist.all_reduce(packet, group=group)
+        members = dist.get_world_size(group)
+    total, flagged, row_sum, square_sum = packet.tolist()
+    if members * square_sum != row_sum * row_sum:
+        given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(_gathered(rows, group)))
         raise InputError(
             f"step {step}: the ranks were given global batches of different sizes ({given} "
             "rows); every rank must call train_step with the same global batch (each takes "
             "its own rows of it): give every rank the same data in the same order (one seed), "
             "not a DataLoader of its own. The update was not applied"
         )
-    if not bool(flags.any()):
-        return True
+    if flagged == 0:
+        return Agreed(loss=total, finite=True)
     if mode == "skip":
-        return False
-    mine = ""
-    if bad:
+        return Agreed(loss=total, finite=False)
+    report = ""
+    if bool(bad):
         first = nonfinite_parameter(named)
         loss_text = "finite" if bool(torch.isfinite(loss.detach()).all()) else str(loss.item())
-        mine = f"{where}: loss {loss_text}" + (
+        report = f"{where}: loss {loss_text}" + (
             f", first non-finite gradient: {first}" if first else ", gradients finite"
         )
-    reports: list[Any] = [mine]
-    if group is not None:
-        reports = [None] * members
-        dist.all_gather_object(reports, mine, group=group)
-    flagged = [r for r, flag in enumerate(flags.tolist()) if flag]
-    ranks = flagged if group is not None else [dist.get_rank()]
+    reports = _gathered(report, group)
+    ranks = [r for r, text in enumerate(reports) if text]
+    if group is None:
+        ranks = [dist.get_rank()]
     raise NonFiniteError(
         f"step {step}: a NaN or infinity on rank(s) {ranks} (gradients synchronised over "
         "dp carry one replica's to all): "
-        + "; ".join(str(reports[r]) for r in flagged)
+        + "; ".join(text for text in reports if text)
         + ". The parameters are those before this step. Lower the learning rate, clip "
         "gradients or check the batch; Plan(nonfinite='skip') drops such steps instead"
     )
+
+
+def _gathered(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's `value`, in rank order of `group` (this rank's alone without one): only
+    on the error paths, which every rank takes together."""
+    if group is None:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values

@@ -119,11 +119,9 @@ class PipelineRunner:
 
         actions = schedule(self.plan.schedule, self.plan.pp, m)[self.index]
         step = self.stage.run(actions, xs, ys, loss_of)
-        loss = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        if step.loss is not None:
-            loss.copy_(step.loss)
-        dist.broadcast(loss, src=self._last_rank, group=self.mesh.group("pp"))
-        return loss
+        if step.loss is None:  # only the last stage computes it; the engine's sum adds it
+            return torch.zeros((), device=self.mesh.device)
+        return step.loss.detach()
 
     def forward(self, inputs: Any) -> Any:
         chunks = split_rows(inputs, max(1, min(self.plan.micro_batches, rows(inputs))))

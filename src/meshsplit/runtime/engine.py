@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit import phases, tensor
-from meshsplit.batch import LossFn, rows, scores, split_rows, to_device
+from meshsplit.batch import LossFn, rows, scores, shapes, split_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, describe_batchnorm, discard_batchnorm
 from meshsplit.data_parallel import Sync, gather_rows, gather_shards
 from meshsplit.job.guard import StepGuard
@@ -175,7 +175,9 @@ class Engine:
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
         with (
             self._guard.naming_timeouts(),
-            self.memory.step(parts.runner, parts.sync, parts.optimizer, self.steps + 1),
+            self.memory.step(
+                parts.runner, parts.sync, parts.optimizer, self.steps + 1, shapes(inputs)
+            ),
         ):
             parts.sync.begin_step(parts.runner.backward_passes())
             with (
@@ -187,16 +189,17 @@ class Engine:
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
-            finite = self._guard.finite(
+            agreed = self._guard.agree(
                 self.plan.nonfinite,
                 loss,
                 parts.sync.gradient_tensors(),
                 parts.runner.module.named_parameters(),
+                loss_scale=self._loss_scale(global_rows, rows(x)),
                 rows=global_rows,
                 step=self.steps + 1,
                 group=self.peers,
             )
-            if finite:
+            if agreed.finite:
                 commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
                     parts.optimizer.step()
@@ -205,10 +208,17 @@ class Engine:
                 self.skipped_steps += 1
             parts.sync.zero_grad()
         self.steps += 1
-        if self.plan.asynchronous:  # no wait for the other workers: this replica's own mean
-            return float(loss.item()) * global_rows / rows(x)
-        dist.all_reduce(loss, group=self.mesh.group("dp"))
-        return float(loss.item())
+        return agreed.loss
+
+    def _loss_scale(self, global_rows: int, replica_rows: int) -> float:
+        """What this rank's loss counts in the sum over `peers`: each replica's loss is held
+        alike by its tp ranks (of the last stage, under pp); workers apart report their own
+        replica's mean."""
+        if self.plan.asynchronous:
+            return global_rows / replica_rows
+        if self.mesh.rank("pp") != self.plan.pp - 1:
+            return 0.0
+        return 1.0 / self.plan.tp
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:

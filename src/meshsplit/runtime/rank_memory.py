@@ -40,6 +40,9 @@ from meshsplit.tensor.collectives import staging
 __all__: list[str] = []
 
 _enforcing = [True]
+FIRST_COUNTED = 3
+"""Steps counted first, whatever the sample (step 1 makes any state the pools left lazy)."""
+SAMPLE_EVERY = 100
 
 
 @contextmanager
@@ -58,10 +61,13 @@ class RankMemory:
 
     def __init__(self, plan: Plan, mesh: Mesh) -> None:
         self.plan, self.mesh = plan, mesh
-        self.track = True
-        """Count live tensor bytes in every train_step on CPU (memory_report's
-        tensor_peak_bytes); steps of small models run measurably slower under the tracker
-        (see benchmarks/README.md), so a long run may turn it off after the first steps."""
+        self.track: bool | None = None
+        """Count a train_step's live tensor bytes on CPU (memory_report's tensor_peak_bytes):
+        True every step, False never, None (the default) a sample: the first steps, every
+        SAMPLE_EVERY-th, and each step with batch shapes not seen before. Steady steps
+        allocate alike (memory/pools.py), and counting slows a small model's step by a few
+        percent (benchmarks/README.md). Under a memory budget every step is counted."""
+        self._shapes_seen: set[Any] = set()
         self.enforce = _enforcing[-1]
         """Refuse (PlanError) or stop (MemoryBudgetError) a rank over Plan.memory_budget;
         off: only count."""
@@ -121,9 +127,20 @@ class RankMemory:
             device=str(self.mesh.device),
         )
 
+    def counts(self, number: int, shapes: Any) -> bool:
+        """Whether step `number`, on a batch of these `shapes`, is counted on CPU."""
+        new = shapes not in self._shapes_seen
+        self._shapes_seen.add(shapes)
+        if self.track is not None:
+            return self.track
+        return new or number <= FIRST_COUNTED or number % SAMPLE_EVERY == 0
+
     @contextmanager
-    def step(self, runner: Runner, sync: Sync, optimizer: Any, number: int) -> Iterator[None]:
-        """Count step `number`'s live tensor bytes and hold it to the budget."""
+    def step(
+        self, runner: Runner, sync: Sync, optimizer: Any, number: int, shapes: Any
+    ) -> Iterator[None]:
+        """Count step `number`'s live tensor bytes (on a sample of the steps on CPU, see
+        `track`) and hold it to the budget (every step)."""
         where = f"rank {dist.get_rank()}, step {number}"
         device = self.mesh.device
         budget = self.plan.budget_bytes if self.enforce else None
@@ -140,7 +157,8 @@ class RankMemory:
                 ) from error
             self.peak = Peak(bytes=int(torch.cuda.max_memory_allocated(device)))
             return
-        if not (self.track or budget is not None):
+        counted = self.counts(number, shapes)
+        if not (counted or budget is not None or self.timeline is not None):
             yield
             return
         tp_staging = staging(self.mesh.group("tp"))

@@ -40,7 +40,8 @@ class Runner(Protocol):
         ...
 
     def train_batch(self, inputs: Any, targets: Any, global_rows: int) -> torch.Tensor:
-        """Forward + backward of this replica's rows; the weighted loss, valid on every rank."""
+        """Forward + backward of this replica's rows; the weighted loss on the ranks that
+        compute it (every rank of the replica, or a pipeline's last stage), 0 elsewhere."""
         ...
 
     def forward(self, inputs: Any) -> Any:
@@ -92,9 +93,10 @@ class LocalRunner:
             strict=True,
         )
         for micro, (x, y) in enumerate(pieces):
-            with phase(f"forward, micro-batch {micro}"):
-                output = call_model(self.module, x)
-                loss = self.loss_fn(output, y) * loss_weight(self.loss_fn, rows(x), global_rows)
+            with phase(f"forward, micro-batch {micro}"):  # the output dies with the loss's
+                # forward, as in plain PyTorch: no name holds it (and its size) over backward
+                loss = self.loss_fn(call_model(self.module, x), y)
+                loss = loss * loss_weight(self.loss_fn, rows(x), global_rows)
             with phase(f"backward, micro-batch {micro}"):
                 loss.backward()
             total += loss.detach()
