@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing import connection, get_all_start_methods, get_context, reduction
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
@@ -119,7 +118,8 @@ def launch(
     worker: Callable[..., None] = _forked_worker
     job: tuple[Any, ...] = (fn, args, kwargs)
     if start_method != "fork":  # unpickled in the worker once this environment is in place
-        payload = ForkingPickler.dumps(job).tobytes()
+        # by value: torch's shared-memory handles in a payload could be claimed by one worker
+        payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
         worker, job = _started_worker, (payload, dict(os.environ), _Output())
     with tempfile.TemporaryDirectory(prefix="meshsplit-") as folder:
         workdir = Path(folder)
