@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: its shard when it is a DTensor (FSDP2's sharded
     parameters, their gradients and optimizer state), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def job_timeout(device: torch.device) -> timedelta | None:
+    """The timeout the job's process group was started with (None where torch hides it)."""
+    default = dist.distributed_c10d._get_default_group()
+    try:
+        return default._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def ensure_process_group() -> None:
@@ -74,6 +84,11 @@ class Mesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(axis)
+
+    def new_group(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A group of `ranks` apart from the mesh's axes (every rank must call this), bounded
+        by the job's timeout like the mesh's own groups: new_group's default is 30 minutes."""
+        return dist.new_group(ranks, timeout=job_timeout(self.device))
 
     def global_rank(self, **coordinates: int) -> int:
         """The global rank at this process's coordinates, with some replaced (e.g. pp=stage+1)."""

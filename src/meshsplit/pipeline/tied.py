@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -35,12 +36,12 @@ class TiedGradients:
                 for dp in range(mesh.size("dp")):
                     for tp in range(mesh.size("tp")):
                         ranks = [int(grid[dp, stage, tp]) for stage in stages]
-                        group = dist.new_group(ranks)
+                        group = mesh.new_group(ranks)
                         if dist.get_rank() in ranks:
                             groups[stages] = group
-            group = groups[stages]
-            if group is not None:
-                self._mine.append((param, group))
+            mine = groups[stages]
+            if mine is not None:
+                self._mine.append((param, mine))
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -48,6 +49,9 @@ class TiedGradients:
         return [param for param, _ in self._mine]
 
     def all_reduce(self) -> None:
+        """Every stage that holds a shared parameter joins its sum, also one whose copy got
+        no gradient this step (its part is zero), so no stage waits for one that skipped."""
         for param, group in self._mine:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
