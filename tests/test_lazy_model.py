@@ -154,8 +154,10 @@ def test_a_model_three_times_a_ranks_budget_trains_under_pp4_and_tp4(
         ms.Plan(pp=4, micro_batches=4, stages=(3, 2, 2, 4), memory_budget=budget),
         ms.Plan(tp=4, micro_batches=2, memory_budget=budget),
     ):
-        lazy = ms.launch(_train_big, 4, args=(plan, True), timeout_s=600)
-        whole = ms.launch(_train_big, 4, args=(plan, False), timeout_s=600)
+        # spawn: glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts, and a forkserver's
+        # children share the malloc settings of the server, started before it was set
+        lazy = ms.launch(_train_big, 4, args=(plan, True), timeout_s=600, start_method="spawn")
+        whole = ms.launch(_train_big, 4, args=(plan, False), timeout_s=600, start_method="spawn")
         for rank, (part, built_whole) in enumerate(zip(lazy, whole, strict=True)):
             assert part["tensor_peak"] <= budget, (plan.describe(), rank, part)
             assert part["losses"] == pytest.approx(built_whole["losses"], rel=1e-5)

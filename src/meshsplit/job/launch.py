@@ -87,7 +87,9 @@ def launch(
     a second instead of seconds; otherwise it behaves as "spawn", which starts fresh
     interpreters: fn and its arguments are pickled, each worker re-imports the caller's main
     module (hence the `if __name__ == "__main__"` guard) and sees this process's environment
-    as it is at the launch.
+    as it is at the launch; variables read only when a process starts (glibc's MALLOC_*,
+    LD_PRELOAD) take effect in a forkserver's workers if set before the first launch, or
+    with "spawn".
     "fork" (POSIX) makes each worker a copy of this process: fn, a lambda or a class defined
     in the script, and the data it reaches are inherited, not pickled, and nothing re-runs.
     Fork before this process initialises CUDA (keep the model on the CPU until then).

@@ -18,6 +18,7 @@ from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.job.launch import launch, threads_per_worker
+from meshsplit.mesh import job_timeout
 from meshsplit.runtime.parallelize import OptimizerFactory
 
 __all__: list[str] = []
@@ -141,7 +142,8 @@ def _lockstep_s(rounds: int = 12) -> dict[int, float]:
     if world == 1:
         return {}
     rank, token, work = dist.get_rank(), torch.zeros(1), torch.randn(256, 256)
-    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    bound = job_timeout(torch.device("cpu"))  # new_group's default would be 30 minutes
+    pairs = [dist.new_group([2 * i, 2 * i + 1], timeout=bound) for i in range(world // 2)]
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
 
     def burst() -> None:
