@@ -34,8 +34,19 @@ class _Bucket:
 class GradientSync:
     """Sum gradients over `group` in buckets of about `bucket_mb` MiB, overlapping backward."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_mb: float):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group: dist.ProcessGroup,
+        bucket_mb: float,
+        scan: bool = False,
+    ) -> None:
         self.group = group
+        self.scan = scan
+        """Sum this replica's share of each bucket as its all-reduce completes, while later
+        ones are in flight (the non-finite check reads the sums: see gradient_sums)."""
+        self._sums: list[torch.Tensor] = []
+        self._replica, self._replicas = dist.get_rank(group), dist.get_world_size(group)
         self.active = dist.get_world_size(group) > 1
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[nn.Parameter, _Bucket] = {}
@@ -78,6 +89,7 @@ class GradientSync:
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce; reduce now those a parameter never reached."""
+        self._sums = []
         for index, bucket in enumerate(self.buckets):
             if self.active:
                 with waiting("all-reduce wait", functools.partial(_bucket_args, index, bucket)):
@@ -87,6 +99,9 @@ class GradientSync:
                         bucket.work.wait()
             bucket.work = None
             bucket.arrivals = 0
+            if self.scan:  # reduced buckets are alike on every replica: each reads 1/dp of one
+                share = bucket.flat.tensor_split(self._replicas)[self._replica]
+                self._sums.append(share.sum(dtype=torch.float32))
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = view
 
@@ -98,6 +113,14 @@ class GradientSync:
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The buffers every gradient lives in."""
         return [bucket.flat for bucket in self.buckets]
+
+    def gradient_sums(self) -> list[torch.Tensor]:
+        """float32 sums of the buckets (a NaN or infinity anywhere shows in one). With `scan`
+        they were taken in finish, this replica's 1/dp of each bucket: the replicas' shares
+        cover every bucket once, and the check sums its flag over them all."""
+        if self.scan and len(self._sums) == len(self.buckets):
+            return self._sums
+        return [bucket.flat.sum(dtype=torch.float32) for bucket in self.buckets]
 
     def newest_parameters(self) -> None:
         """Nothing to do: every replica applied the same summed gradients."""
@@ -131,6 +154,9 @@ class LocalGradients:
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
+
+    def gradient_sums(self) -> list[torch.Tensor]:
+        return [g.sum(dtype=torch.float32) for g in self.gradient_tensors()]
 
     def newest_parameters(self) -> None:
         """Nothing to do: there is one replica."""

@@ -102,6 +102,9 @@ class ParameterClient:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [self.gradient]
 
+    def gradient_sums(self) -> list[torch.Tensor]:
+        return [self.gradient.sum(dtype=torch.float32)]
+
     def gradient_bytes(self) -> int:
         return self.gradient.nbytes
 

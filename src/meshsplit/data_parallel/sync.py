@@ -45,6 +45,10 @@ class Sync(Protocol):
         """The tensors holding this rank's gradients now (buckets, shards)."""
         ...
 
+    def gradient_sums(self) -> list[torch.Tensor]:
+        """float32 sums of this rank's gradients: a NaN or infinity anywhere shows in one."""
+        ...
+
     def gradient_bytes(self) -> int:
         """What this rank's gradients take while they exist."""
         ...
@@ -131,7 +135,7 @@ def training_state(
     params = list(parameters())
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = GradientSync(params, group, plan.bucket_mb)
+    sync = GradientSync(params, group, plan.bucket_mb, scan=plan.nonfinite != "off")
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True

@@ -158,6 +158,14 @@ class ShardedGradients:
         shards = [local_tensor(p.grad) for p in self.sharded if p.grad is not None]
         return [*shards, *self.whole.gradient_tensors()]
 
+    def gradient_sums(self) -> list[torch.Tensor]:
+        shards = [
+            local_tensor(p.grad).sum(dtype=torch.float32)
+            for p in self.sharded
+            if p.grad is not None
+        ]
+        return [*shards, *self.whole.gradient_sums()]
+
     def gradient_bytes(self) -> int:
         """What this rank's gradients take while they exist."""
         shards = sum(local_tensor(p).numel() * p.element_size() for p in self.sharded)

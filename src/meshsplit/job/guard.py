@@ -67,7 +67,7 @@ class StepGuard:
         self,
         mode: str,
         loss: torch.Tensor,
-        gradients: list[torch.Tensor],
+        gradient_sums: Callable[[], list[torch.Tensor]],
         named: Iterable[tuple[str, nn.Parameter]],
         *,
         loss_scale: float,
@@ -80,7 +80,7 @@ class StepGuard:
         nonfinite.agree)."""
         return agree(
             loss,
-            gradients,
+            gradient_sums,
             named,
             loss_scale=loss_scale,
             rows=rows,

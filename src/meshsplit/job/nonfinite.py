@@ -14,7 +14,7 @@ check runs before the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ class Agreed:
 
 def agree(
     loss: torch.Tensor,
-    gradients: list[torch.Tensor],
+    gradient_sums: Callable[[], list[torch.Tensor]],
     named: Iterable[tuple[str, nn.Parameter]],
     *,
     loss_scale: float,
@@ -75,8 +75,7 @@ def agree(
     estimate replays steps on collectives that do not sum)."""
     bad = torch.zeros((), dtype=torch.float64, device=loss.device)
     if mode != "off":
-        sums = [loss.detach().sum(dtype=torch.float32)]
-        sums += [local_tensor(g).sum(dtype=torch.float32) for g in gradients]
+        sums = [loss.detach().sum(dtype=torch.float32), *gradient_sums()]
         bad = (~torch.stack(sums).isfinite().all()).to(torch.float64)
     mine = loss.detach().to(torch.float64) * loss_scale
     packet = torch.stack([mine, bad, mine.new_tensor(rows), mine.new_tensor(rows * rows)])

@@ -192,7 +192,7 @@ class Engine:
             agreed = self._guard.agree(
                 self.plan.nonfinite,
                 loss,
-                parts.sync.gradient_tensors(),
+                parts.sync.gradient_sums,
                 parts.runner.module.named_parameters(),
                 loss_scale=self._loss_scale(global_rows, rows(x)),
                 rows=global_rows,
