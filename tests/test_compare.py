@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -78,3 +79,29 @@ def test_a_plan_the_batch_cannot_take_is_listed_as_refused() -> None:
     row = _row(config, Plan(dp=3), reference=[])
     assert "global batch 64 is not divisible" in row["refused"]
     assert row["plan"] == "dp3 pp1 tp1"
+
+
+def test_the_table_is_printed_whole_where_no_terminal_is() -> None:
+    from meshsplit.cli import compare_report
+    from meshsplit.cli.show import print_table
+
+    row = {
+        "plan": "dp2 pp1 tp2 m2 zero3 compress=bf16",
+        "samples_per_second": 1234.5,
+        "ratio_to_best": 1.0,
+        "step_s": 0.0123,
+        "predicted_step_s": 0.011,
+        "estimated_peak_bytes": [3 * 2**20],
+        "tensor_peak_bytes": [3 * 2**20],
+        "peak_memory_bytes": [300 * 2**20],
+        "bytes_per_step": 2**20,
+        "loss_matches": True,
+    }
+    config = CompareConfig(model="cnn", devices=4)
+    out = io.StringIO()  # not a terminal: rich would fit 80 columns and cut the rest
+    print_table(compare_report.table(config, [row]), file=out)
+    text = out.getvalue()
+    assert "…" not in text, text
+    for header in compare_report.HEADERS:
+        assert header in text, (header, text)
+    assert row["plan"] in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import meshsplit as ms
@@ -66,3 +68,32 @@ def test_the_old_checkpoint_keyword_warns_and_means_recompute() -> None:
     assert plan.recompute == "except_last" and plan.as_dict()["recompute"] == "except_last"
     with pytest.raises(ms.PlanError, match="Plan.recompute='sometimes'"):
         ms.Plan(checkpoint="sometimes")
+
+
+BAD_VALUES = [-1, 0, 1.5, "2", None, True, [], "nonsense", 10**9]
+VALID_AMONG_THEM = {  # field -> repr of the values above that are a valid form of it
+    "dp": ["1000000000"],
+    "pp": ["1000000000"],
+    "tp": ["1000000000"],
+    "micro_batches": ["1000000000"],
+    "stages": ["None"],
+    "split_points": ["None", "[]"],  # no cut: the pp - 1 = 0 cuts of one stage
+    "tp_plan": ["None"],
+    "zero": ["0", "True"],  # True means 1
+    "bucket_mb": ["1.5", "1000000000"],
+    "memory_budget": ["'2'", "None", "1000000000"],  # bytes
+    "reserve_memory": ["True"],
+    "servers": ["None"],
+    "staleness": ["0"],
+}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ms.Plan)])
+def test_every_field_refuses_what_it_cannot_take_with_a_plan_error(field: str) -> None:
+    assert set(VALID_AMONG_THEM) <= {f.name for f in dataclasses.fields(ms.Plan)}
+    for value in BAD_VALUES:
+        if repr(value) in VALID_AMONG_THEM.get(field, []):
+            ms.Plan(**{field: value})
+            continue
+        with pytest.raises(ms.PlanError, match=rf"{field}="):
+            ms.Plan(**{field: value})

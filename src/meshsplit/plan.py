@@ -129,17 +129,26 @@ class Plan:
                 f"use one of {', '.join(RECOMPUTE_POLICIES)}"
             )
         if self.stages is not None:
-            stages = tuple(self.stages)
-            object.__setattr__(self, "stages", stages)
-            if len(stages) != self.pp or any(not isinstance(n, int) or n < 1 for n in stages):
+            stages = self.stages
+            if not isinstance(stages, list | tuple) or any(not _positive(n) for n in stages):
+                raise PlanError(
+                    f"Plan.stages={stages!r} must be a tuple of positive layer counts, one per "
+                    f"pipeline stage; e.g. stages={tuple([1] * self.pp)} or leave it None"
+                )
+            object.__setattr__(self, "stages", tuple(stages))
+            if len(stages) != self.pp:
                 raise PlanError(
                     f"Plan.stages={list(stages)} must give a positive layer count for each of "
                     f"pp={self.pp} stages; e.g. stages={[1] * self.pp} or leave it None"
                 )
         if self.split_points is not None:
-            points = (
-                (self.split_points,) if isinstance(self.split_points, str) else self.split_points
-            )
+            points = self.split_points
+            points = (points,) if isinstance(points, str) else points
+            if not isinstance(points, list | tuple) or not all(isinstance(n, str) for n in points):
+                raise PlanError(
+                    f"Plan.split_points={self.split_points!r} must be module paths (str) where "
+                    "a stage begins; e.g. split_points=('model.layers.2',) for pp=2"
+                )
             object.__setattr__(self, "split_points", tuple(points))
             if len(self.split_points) != self.pp - 1 or self.stages is not None:
                 raise PlanError(
@@ -147,12 +156,24 @@ class Plan:
                     "module paths where a stage begins, without Plan.stages; e.g. "
                     "split_points=('model.layers.2',) for pp=2"
                 )
+        tp_plan = self.tp_plan
+        if tp_plan is not None and not (
+            isinstance(tp_plan, Mapping)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in tp_plan.items())
+        ):
+            raise PlanError(
+                f"Plan.tp_plan={tp_plan!r} must map module paths to split styles (str to str); "
+                "e.g. tp_plan={'fc1': 'column', 'fc2': 'row'} or leave it None"
+            )
+        if not isinstance(self.reserve_memory, bool):
+            raise PlanError(f"Plan.reserve_memory={self.reserve_memory!r} must be True or False")
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, "Plan.memory_budget")
         self._check_memory_options()
         self._check_sync()
-        if self.bucket_mb <= 0:
-            raise PlanError(f"Plan.bucket_mb={self.bucket_mb} must be positive; e.g. 25")
+        bucket = self.bucket_mb
+        if not isinstance(bucket, int | float) or isinstance(bucket, bool) or not bucket > 0:
+            raise PlanError(f"Plan.bucket_mb={bucket!r} must be a positive number of MiB; e.g. 25")
 
     def _check_memory_options(self) -> None:
         """zero as a stage number (True is 1); the other options from their lists."""
@@ -322,6 +343,11 @@ class Plan:
             "servers": self.servers,
             "staleness": self.staleness,
         }
+
+
+def _positive(value: object) -> bool:
+    """A positive int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def parse_bytes(value: str | int, field_name: str) -> int:

@@ -13,6 +13,7 @@ from meshsplit.cli import compare_report, memory_view, plan_view, train
 from meshsplit.cli.compare import CompareConfig
 from meshsplit.cli.compare import compare as run_comparison
 from meshsplit.cli.flags import add_plan_flags, plan_from
+from meshsplit.cli.show import print_table
 from meshsplit.job.launch import WorkerError
 from meshsplit.plan import PlanError
 from meshsplit.runtime.checkpoint import CheckpointError
@@ -107,19 +108,13 @@ def _plan_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--top", type=int, default=12, help="plans in the table")
 
 
-def _wide_console() -> Console:
-    """The terminal, or 160 columns when piped or logged: room for every column."""
-    return Console() if Console().is_terminal else Console(width=160)
-
-
 def plan(args: argparse.Namespace) -> None:
     report = plan_view.choose(
         args.model, args.devices, args.batch_size, args.memory_budget, args.cluster
     )
-    console = _wide_console()
-    console.print(plan_view.table(report, top=args.top))
+    print_table(plan_view.table(report, top=args.top))
     if args.json:
-        console.print(f"wrote {plan_view.write(report, args.json)}")
+        Console().print(f"wrote {plan_view.write(report, args.json)}")
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -135,12 +130,9 @@ def compare(args: argparse.Namespace) -> None:
     if config.devices < 1:
         raise PlanError(f"--devices={config.devices} must be at least 1")
     rows = run_comparison(config, record=True)
-    console = Console()
-    if not console.is_terminal:  # piped or logged: room for every column
-        console = Console(width=120)
-    console.print(compare_report.table(config, rows))
+    print_table(compare_report.table(config, rows))
     for path in compare_report.write(config, rows, args.out):
-        console.print(f"wrote {path}")
+        Console().print(f"wrote {path}")
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -151,10 +143,9 @@ def memory(args: argparse.Namespace) -> None:
     estimate, measured = memory_view.measure(
         reference.build, plan, batch, default_optimizer, reference.loss()
     )
-    console = _wide_console()
-    console.print(memory_view.table(estimate, measured))
+    print_table(memory_view.table(estimate, measured))
     for path in memory_view.write(estimate, measured, args.out):
-        console.print(f"wrote {path}")
+        Console().print(f"wrote {path}")
 
 
 COMMANDS = {"train": train.run, "compare": compare, "memory": memory, "plan": plan}
