@@ -181,3 +181,23 @@ def test_a_plain_loss_function_that_fails_is_named_with_what_it_received() -> No
     message = str(explained)
     assert "rank 0: loss_fn received (a float32 tensor of shape (2, 3)" in message, message
     assert "int64 tensor of shape (2,)" in message and "out of bounds" in message, message
+
+
+def _user_collective_stalls() -> None:
+    """The user's own code: rank 1 is busy elsewhere while rank 0 waits in an all-reduce."""
+    if torch.distributed.get_rank() == 1:
+        time.sleep(30)
+    torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_a_stalled_collective_in_the_users_own_code_is_named() -> None:
+    started = time.monotonic()
+    with pytest.raises(ms.WorkerError) as raised:
+        ms.launch(_user_collective_stalls, 2, timeout_s=5)
+    assert time.monotonic() - started < 30
+    error = raised.value
+    assert error.rank == 0 and error.error_type == "CollectiveTimeout", error
+    message = error.message
+    assert "rank 0 timed out in all_reduce called at" in message, message
+    assert "_user_collective_stalls" in message and "rank(s) [1] never joined it" in message
+    assert "rank 1: not in a collective, at" in message, message

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from meshsplit.job import desync
 from meshsplit.job.context import in_torchrun, job_store, jobs_joined, join_job_store, run_job
+from meshsplit.job.stacks import StackWatch
 from meshsplit.job.stop import STOP_SIGNALS
 
 __all__ = ["WorkerError", "launch"]
@@ -316,6 +317,7 @@ def _local_worker(
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     torch.set_num_threads(threads_per_worker(world_size))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    watch: StackWatch | None = None
     try:
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
@@ -330,12 +332,14 @@ def _local_worker(
             timeout=timeout,
         )
         desync.install(job_store(), timeout)  # MESHSPLIT_DEBUG=1: collectives checked
+        watch = StackWatch(store)  # a timed-out collective names the ranks not in it
         result = run_job(fn, args, kwargs)
         _save_atomically(result, workdir / f"rank{rank}.result.pt")
         dist.barrier()
+        watch.close()
         dist.destroy_process_group()
     except BaseException as error:  # report every failure, then leave at once
-        _report(workdir, rank, error)
+        _report(workdir, rank, error if watch is None else watch.explain(error))
 
 
 def _report(workdir: Path, rank: int, error: BaseException) -> NoReturn:
