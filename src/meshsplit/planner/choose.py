@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from meshsplit.batch import LossFn
-from meshsplit.job.launch import threads_per_worker
+from meshsplit.job.worker import threads_per_worker
 from meshsplit.plan import Plan, PlanError, divisors
 from meshsplit.planner.calibrate import cached_machine
 from meshsplit.planner.cluster import load_cluster

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
-from meshsplit.job.launch import launch, threads_per_worker
+from meshsplit.job.launch import launch
+from meshsplit.job.worker import threads_per_worker
 from meshsplit.mesh import job_timeout
 from meshsplit.runtime.parallelize import OptimizerFactory
 
