@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -102,14 +103,10 @@ def launch(
         # device_count asks NVML, which leaves CUDA uninitialised here for the workers
         backend = backend or ("nccl" if 0 < nprocs <= torch.cuda.device_count() else "gloo")
     backend = backend or default_backend(nprocs)
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        nprocs + 1,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    # a forked worker copies this process's threads' locks, not the threads: the store's
+    # server thread starts only after the fork, on a port reserved now (workers retry)
+    store = None if start_method == "fork" else _store_server(0, nprocs, timeout_s)
+    port = _free_port() if store is None else store.port
     context: Any = get_context(start_method)
     if start_method == "forkserver":
         context.set_forkserver_preload(["meshsplit"])  # torch and meshsplit, imported once
@@ -124,7 +121,7 @@ def launch(
         processes = [
             context.Process(
                 target=worker,
-                args=(rank, nprocs, store.port, backend, timeout_s, workdir, *job),
+                args=(rank, nprocs, port, backend, timeout_s, workdir, *job),
                 name=f"meshsplit-rank{rank}",
             )
             for rank in range(nprocs)
@@ -132,12 +129,27 @@ def launch(
         try:
             for process in processes:
                 process.start()
+            store = store or _store_server(port, nprocs, timeout_s)
             with _forwarding_stop_signals(processes):
                 _watch(processes, workdir)
             return [_load_result(workdir, rank) for rank in range(nprocs)]
         finally:
             _stop(processes)
             del store
+
+
+def _store_server(port: int, nprocs: int, timeout_s: float) -> dist.TCPStore:
+    """The job's store, served from this process on 127.0.0.1 (port 0: a free one)."""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(
+        "127.0.0.1", port, nprocs + 1, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -44,10 +45,9 @@ class StackWatch:
 
     def _run(self) -> None:
         while not self._done.wait(self.beat_s):
-            frame = sys._current_frames().get(self._job)
-            if frame is None:
+            where = _place_of(self._job)
+            if where is None:
                 return
-            where = {**_place(traceback.extract_stack(frame)), "at": time.time()}
             try:
                 self.store.set(f"stacks/{self.rank}", json.dumps(where))
             except Exception:  # noqa: BLE001 - the store went with the job: nothing to post
@@ -58,7 +58,7 @@ class StackWatch:
         that ended a collective on the process group's timeout; else `error` itself."""
         if "timed out" not in str(error).lower() or isinstance(error, CollectiveTimeout):
             return error
-        mine = _place(traceback.extract_tb(error.__traceback__))
+        mine = _place(list(traceback.walk_tb(error.__traceback__)))
         if mine["collective"] is None:
             return error
         parts, missing = [], []
@@ -89,11 +89,27 @@ class StackWatch:
         self._thread.join(timeout=2 * self.beat_s)
 
 
-def _place(frames: traceback.StackSummary) -> dict[str, Any]:
-    """The torch.distributed collective in `frames` (innermost), if any, and the job's line
-    that led there: the innermost frame outside torch and meshsplit."""
-    collective = next((f.name for f in reversed(frames) if f.filename.endswith(_COLLECTIVES)), None)
-    outside = [f for f in frames if not f.filename.startswith((_TORCH, _PACKAGE))]
-    site = outside[-1] if outside else (frames[-1] if frames else None)
-    text = "an unknown place" if site is None else f"{site.filename}:{site.lineno} {site.name}"
+def _place_of(thread: int) -> dict[str, Any] | None:
+    """Where `thread` is now, as text. No frame outlives this call: a frame held while the
+    watch sleeps would keep its locals (a closed engine, its tensors) alive."""
+    frame = sys._current_frames().get(thread)
+    if frame is None:
+        return None
+    try:
+        return {**_place(list(traceback.walk_stack(frame))[::-1]), "at": time.time()}
+    finally:
+        del frame
+
+
+def _place(frames: list[tuple[FrameType, int]]) -> dict[str, Any]:
+    """The torch.distributed collective in `frames` (outermost first), if any, and the job's
+    line that led there: the innermost frame outside torch and meshsplit. Read from the
+    frames alone: no source line is looked up (linecache would keep whole files)."""
+    places = [(f.f_code.co_filename, line, f.f_code.co_name) for f, line in frames]
+    collective = next(
+        (name for file, _, name in reversed(places) if file.endswith(_COLLECTIVES)), None
+    )
+    outside = [p for p in places if not p[0].startswith((_TORCH, _PACKAGE))]
+    site = outside[-1] if outside else (places[-1] if places else None)
+    text = "an unknown place" if site is None else f"{site[0]}:{site[1]} {site[2]}"
     return {"collective": collective, "site": text}
