@@ -1,20 +1,18 @@
 """One engine's guard over its steps: a watchdog for its waits, and the errors a step raises
-turned into ones that say where and why (the pieces are in watchdog.py, input_errors.py
-and nonfinite.py)."""
+turned into ones that say where and why (the pieces are in watchdog.py and input_errors.py;
+the step's agreement on its loss and non-finite values is nonfinite.agree)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshsplit.job.context import job_store
 from meshsplit.job.input_errors import explain_input_error
-from meshsplit.job.nonfinite import Agreed, agree
 from meshsplit.job.watchdog import Watchdog, explain_collective_error, stall_warning_s
 from meshsplit.mesh import Mesh
 
@@ -62,33 +60,6 @@ class StepGuard:
             if explained is None:
                 raise
             raise explained from error
-
-    def agree(
-        self,
-        mode: str,
-        loss: torch.Tensor,
-        gradient_sums: Callable[[], list[torch.Tensor]],
-        named: Iterable[tuple[str, nn.Parameter]],
-        *,
-        loss_scale: float,
-        rows: int,
-        step: int,
-        group: dist.ProcessGroup | None,
-    ) -> Agreed:
-        """The step's mean loss, Plan.nonfinite's check of its loss and gradients, and that
-        every rank of `group` had the same global batch, in one all-reduce (see
-        nonfinite.agree)."""
-        return agree(
-            loss,
-            gradient_sums,
-            named,
-            loss_scale=loss_scale,
-            rows=rows,
-            mode=mode,
-            step=step,
-            where=self.where,
-            group=group,
-        )
 
     def close(self) -> None:
         if self.watchdog is not None:

@@ -22,6 +22,7 @@ from meshsplit.batch import LossFn, rows, scores, shapes, split_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, describe_batchnorm, discard_batchnorm
 from meshsplit.data_parallel import Sync, gather_rows, gather_shards
 from meshsplit.job.guard import StepGuard
+from meshsplit.job.nonfinite import agree
 from meshsplit.memory import compress, offload, pools
 from meshsplit.memory.report import MemoryReport
 from meshsplit.mesh import Mesh
@@ -189,14 +190,15 @@ class Engine:
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
-            agreed = self._guard.agree(
-                self.plan.nonfinite,
+            agreed = agree(
                 loss,
                 parts.sync.gradient_sums,
                 parts.runner.module.named_parameters(),
                 loss_scale=self._loss_scale(global_rows, rows(x)),
                 rows=global_rows,
+                mode=self.plan.nonfinite,
                 step=self.steps + 1,
+                where=self._guard.where,
                 group=self.peers,
             )
             if agreed.finite:
