@@ -17,6 +17,8 @@ TRANSFER_COMPRESSIONS = ("none", "bf16")
 OFFLOADS = ("none", "optimizer", "activations")
 NONFINITE = ("raise", "skip", "off")
 SYNCS = ("allreduce", "ps")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+REDUCE_DTYPES = ("fp32", "bf16")
 UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -78,6 +80,12 @@ class Plan:
     """'optimizer': optimizer state (and its step) on the host, or in a memory-mapped file
     when the model already runs on the host; 'activations': tensors saved for backward on
     the host (GPU only)."""
+    precision: str = "fp32"
+    """'bf16-mixed' or 'fp16-mixed': forward and loss under torch.autocast in that dtype
+    (pipeline transfers too), parameters, gradients and optimizer state kept in fp32;
+    fp16 adds a dynamic loss scale (GradScaler's rule) whose overflowing steps are skipped."""
+    reduce_dtype: str = "fp32"
+    """The dtype gradients are summed in over dp: 'fp32', or 'bf16' (half the bytes, lossy)."""
     bucket_mb: float = 8.0
     """Size of the gradient all-reduce buckets over dp, in MiB (smaller: more overlap)."""
     memory_budget: str | int | None = None
@@ -190,6 +198,8 @@ class Plan:
             ("compress_transfers", TRANSFER_COMPRESSIONS),
             ("offload", OFFLOADS),
             ("nonfinite", NONFINITE),
+            ("precision", PRECISIONS),
+            ("reduce_dtype", REDUCE_DTYPES),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -250,7 +260,8 @@ class Plan:
     @property
     def lossy(self) -> bool:
         """Whether a memory option changes the numbers (outside the exactness contract)."""
-        return self.compress != "none" or self.compress_transfers != "none"
+        changed = (self.compress, self.compress_transfers, self.reduce_dtype)
+        return changed != ("none", "none", "fp32")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -316,6 +327,10 @@ class Plan:
         for name in ("compress", "compress_transfers", "offload"):
             if getattr(self, name) != "none":
                 text += f" {name}={getattr(self, name)}"
+        if self.precision != "fp32":
+            text += f" {self.precision}"
+        if self.reduce_dtype != "fp32":
+            text += f" reduce={self.reduce_dtype}"
         if self.sync == "ps":
             text += f" ps{self.server_count} staleness{self.staleness}"
         return text
@@ -339,6 +354,8 @@ class Plan:
             "memory_budget": self.memory_budget,
             "reserve_memory": self.reserve_memory,
             "nonfinite": self.nonfinite,
+            "precision": self.precision,
+            "reduce_dtype": self.reduce_dtype,
             "sync": self.sync,
             "servers": self.servers,
             "staleness": self.staleness,

@@ -28,6 +28,8 @@ class _Bucket:
     params: list[nn.Parameter]
     arrivals: int = 0
     work: Any = None
+    wire: torch.Tensor | None = None
+    """The bucket cast to the reduce dtype while its all-reduce runs (none in its own dtype)."""
     views: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -40,8 +42,11 @@ class GradientSync:
         group: dist.ProcessGroup,
         bucket_mb: float,
         scan: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.group = group
+        self.reduce_dtype = reduce_dtype
+        """The dtype buckets are summed in (Plan.reduce_dtype; None: their own)."""
         self.scan = scan
         """Sum this replica's share of each bucket as its all-reduce completes, while later
         ones are in flight (the non-finite check reads the sums: see gradient_sums)."""
@@ -85,7 +90,14 @@ class GradientSync:
         bucket = self._bucket_of[param]  # type: ignore[index]
         bucket.arrivals += 1
         if bucket.arrivals == self._expected * len(bucket.params):
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(self._on_wire(bucket), group=self.group, async_op=True)
+
+    def _on_wire(self, bucket: _Bucket) -> torch.Tensor:
+        """What the bucket's all-reduce sums: the bucket, or a copy in the reduce dtype."""
+        if self.reduce_dtype is None or self.reduce_dtype == bucket.flat.dtype:
+            return bucket.flat
+        bucket.wire = bucket.flat.to(self.reduce_dtype)
+        return bucket.wire
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce; reduce now those a parameter never reached."""
@@ -94,9 +106,12 @@ class GradientSync:
             if self.active:
                 with waiting("all-reduce wait", functools.partial(_bucket_args, index, bucket)):
                     if bucket.work is None:
-                        dist.all_reduce(bucket.flat, group=self.group)
+                        dist.all_reduce(self._on_wire(bucket), group=self.group)
                     else:
                         bucket.work.wait()
+                if bucket.wire is not None:
+                    bucket.flat.copy_(bucket.wire)
+                    bucket.wire = None
             bucket.work = None
             bucket.arrivals = 0
             if self.scan:  # reduced buckets are alike on every replica: each reads 1/dp of one

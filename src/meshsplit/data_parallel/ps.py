@@ -22,6 +22,7 @@ from torch import nn
 from meshsplit.data_parallel.ps_layout import pieces, server_ranges
 from meshsplit.job.context import LeaveJob, job_store
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import REDUCE_DTYPES
 
 __all__: list[str] = []
 
@@ -88,6 +89,8 @@ class ParameterClient:
         """How many updates the servers made between this worker's last pull and push."""
         self.apart = plan.staleness > 0
         """Whether the workers run without waiting for each other (staleness > 0)."""
+        self.wire = REDUCE_DTYPES[plan.reduce_dtype] or self.gradient.dtype
+        """The dtype gradients are pushed in (Plan.reduce_dtype)."""
         self._closed = False
 
     def begin_step(self, backward_passes: int) -> None:
@@ -140,7 +143,7 @@ class ParameterClient:
             header = torch.tensor([kind, self.versions[index]], dtype=torch.int64)
             dist.send(header, dst=server, tag=HEADER)
             if kind == PUSH:
-                dist.send(self.gradient[low:high], dst=server, tag=GRADIENT)
+                dist.send(self.gradient[low:high].to(self.wire), dst=server, tag=GRADIENT)
         for work in answers:
             work.wait()
         new = [int(v.item()) for v in versions]
@@ -207,6 +210,8 @@ class ParameterServer:
             self.params.append(param)
         self.optimizer = make_optimizer(self.params)
         self.staleness = plan.staleness
+        self.wire = REDUCE_DTYPES[plan.reduce_dtype] or self.gradient.dtype
+        """The dtype gradients arrive in (Plan.reduce_dtype)."""
         self.workers = worker_ranks(plan)
         self.version = 0
         self.updates: deque[_Update] = deque()
@@ -247,7 +252,7 @@ class ParameterServer:
         if not self.updates or self.updates[-1].count >= need:
             self.updates.append(_Update(torch.zeros_like(self.gradient)))
         update = self.updates[-1]
-        incoming = torch.empty_like(self.gradient)
+        incoming = torch.empty_like(self.gradient, dtype=self.wire)
         dist.recv(incoming, src=worker, tag=GRADIENT)
         update.gradient += incoming
         update.count += 1

@@ -22,6 +22,7 @@ from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
 from meshsplit.data_parallel.zero import shard_optimizer, shard_state
 from meshsplit.job.context import before_exit
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import REDUCE_DTYPES
 
 __all__: list[str] = []
 
@@ -116,6 +117,7 @@ def training_state(
     """The gradient sync over the dp `group` and the optimizer, as Plan.sync and Plan.zero
     say: parameter servers, FSDP2 shards (zero 2, 3), or all-reduced buckets with the
     optimizer state whole or dealt over dp (zero 1). `parameters` is read after sharding."""
+    reduce_dtype = REDUCE_DTYPES[plan.reduce_dtype]
     if plan.sync == "ps":
         client = ps.ParameterClient(parameters(), plan)
         before_exit(client.close)  # the servers wait for every worker's goodbye
@@ -128,6 +130,7 @@ def training_state(
             group,
             stage=plan.zero,
             bucket_mb=plan.bucket_mb,
+            reduce_dtype=reduce_dtype,
             root_runs=units.root_runs,
             keep_whole=units.keep_whole,
         )
@@ -135,7 +138,9 @@ def training_state(
     params = list(parameters())
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = GradientSync(params, group, plan.bucket_mb, scan=plan.nonfinite != "off")
+    sync = GradientSync(
+        params, group, plan.bucket_mb, scan=plan.nonfinite != "off", reduce_dtype=reduce_dtype
+    )
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True

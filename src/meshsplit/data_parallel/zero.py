@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
@@ -53,6 +53,7 @@ def shard_state(
     stage: int,
     root_runs: bool,
     bucket_mb: float,
+    reduce_dtype: torch.dtype | None = None,
     keep_whole: Iterable[nn.Parameter] = (),
 ) -> ShardedGradients:
     """ZeRO stages 2 and 3 on FSDP2: each unit of `module` (a block, a pipeline item) is
@@ -67,6 +68,8 @@ def shard_state(
     outside it (a tied embedding) or holds one of `keep_whole` (shared with another stage)
     is not a unit; when `module` itself runs forward (`root_runs`) it is sharded too and
     takes the parameters no unit took, else they stay whole and all-reduce in buckets.
+    Gradients are reduced in `reduce_dtype` (None: their own); parameters are gathered in
+    theirs (fp32 master weights: mixed precision is the autocast's, as without sharding).
     """
     mesh = DeviceMesh.from_group(group, _device_type(module))
     reshard = stage == 3
@@ -80,13 +83,20 @@ def shard_state(
         _check_gatherable(unit, name, stage)
         taken |= {id(p) for p in unit}
     for name in wrapped:
-        fully_shard(module.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(
+            module.get_submodule(name),
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+        )
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)
             sub.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
-    return ShardedGradients(module, GradientSync(whole, group, bucket_mb))
+    return ShardedGradients(
+        module, GradientSync(whole, group, bucket_mb, reduce_dtype=reduce_dtype)
+    )
 
 
 def _check_gatherable(params: list[nn.Parameter], name: str, stage: int) -> None:

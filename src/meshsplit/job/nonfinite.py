@@ -48,7 +48,8 @@ class Agreed:
     loss: float
     """The global batch's mean loss."""
     finite: bool
-    """Whether every rank's loss and gradients were finite (always True under 'off')."""
+    """Whether every rank's loss and gradients were finite (always True under 'off'
+    without a loss scale)."""
 
 
 def agree(
@@ -62,28 +63,35 @@ def agree(
     step: int,
     where: str,
     group: dist.ProcessGroup | None,
+    overflow_skips: bool = False,
 ) -> Agreed:
     """The step's mean loss, whether it is finite everywhere, and that every rank of `group`
     (the mesh's processes; None: this rank alone) had the same global batch: one all-reduce
-    of four numbers and one host sync, the one returning the loss needs anyway.
+    of five numbers and one host sync, the one returning the loss needs anyway.
 
-    Each rank adds loss * loss_scale (its share of the global mean), 1 if its loss or a
-    gradient is not finite (not looked at under mode 'off'), its rows and their square: the
-    ranks had the same batch iff members * sum(rows^2) == sum(rows)^2. On a non-finite step,
-    'raise' raises NonFiniteError on every rank; ranks fed different batches (a DataLoader
-    per rank) raise InputError before the update. 'off' looks at neither (the memory
-    estimate replays steps on collectives that do not sum)."""
-    bad = torch.zeros((), dtype=torch.float64, device=loss.device)
-    if mode != "off":
-        sums = [loss.detach().sum(dtype=torch.float32), *gradient_sums()]
-        bad = (~torch.stack(sums).isfinite().all()).to(torch.float64)
+    Each rank adds loss * loss_scale (its share of the global mean), 1 if its loss is not
+    finite, 1 if a gradient is not (neither looked at under mode 'off'), its rows and their
+    square: the ranks had the same batch iff members * sum(rows^2) == sum(rows)^2. With
+    `overflow_skips` (fp16's loss scale) gradients are always looked at, and non-finite
+    gradients of a finite loss are the scale's overflow: the step is skipped, whatever the
+    mode. Otherwise, on a non-finite step, 'raise' raises NonFiniteError on every rank;
+    ranks fed different batches (a DataLoader per rank) raise InputError before the update.
+    'off' looks at neither (the memory estimate replays steps on collectives that do not
+    sum)."""
+    bad_loss = torch.zeros((), dtype=torch.float64, device=loss.device)
+    bad_grads = bad_loss
+    if mode != "off" or overflow_skips:
+        bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
+        bad_grads = (~torch.stack(gradient_sums()).isfinite().all()).to(torch.float64)
     mine = loss.detach().to(torch.float64) * loss_scale
-    packet = torch.stack([mine, bad, mine.new_tensor(rows), mine.new_tensor(rows * rows)])
+    packet = torch.stack(
+        [mine, bad_loss, bad_grads, mine.new_tensor(rows), mine.new_tensor(rows * rows)]
+    )
     members = 1
     if group is not None:
         dist.all_reduce(packet, group=group)
         members = dist.get_world_size(group)
-    total, flagged, row_sum, square_sum = packet.tolist()
+    total, losses_flagged, grads_flagged, row_sum, square_sum = packet.tolist()
     if mode != "off" and members * square_sum != row_sum * row_sum:
         given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(_gathered(rows, group)))
         raise InputError(
@@ -92,10 +100,11 @@ def agree(
             "its own rows of it): give every rank the same data in the same order (one seed), "
             "not a DataLoader of its own. The update was not applied"
         )
-    if flagged == 0:
+    if losses_flagged == 0 and grads_flagged == 0:
         return Agreed(loss=total, finite=True)
-    if mode == "skip":
+    if mode in ("skip", "off") or (overflow_skips and losses_flagged == 0):
         return Agreed(loss=total, finite=False)
+    bad = bad_loss + bad_grads
     report = ""
     if bool(bad):
         first = nonfinite_parameter(named)

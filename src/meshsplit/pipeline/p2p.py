@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.phases import waiting
+from meshsplit.plan import Plan
+from meshsplit.precision import AUTOCAST_DTYPES
 
 __all__: list[str] = []
 
@@ -35,6 +37,13 @@ DTYPES = (
 
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
 """Plan.compress_transfers -> the dtype floating tensors travel as (None: their own)."""
+
+
+def wire_dtype(plan: Plan) -> torch.dtype | None:
+    """What floating tensors travel between stages as: Plan.compress_transfers when set,
+    else the autocast dtype under mixed precision (half the bytes of fp32; the receiver
+    casts back to the sender's dtype), else their own (None)."""
+    return WIRE_DTYPES[plan.compress_transfers] or AUTOCAST_DTYPES[plan.precision]
 
 
 @dataclass(frozen=True)
@@ -144,10 +153,10 @@ class Received:
 class Exchange:
     """This rank's point-to-point traffic with the other stages (global ranks)."""
 
-    def __init__(self, device: torch.device, transfers: str = "none") -> None:
+    def __init__(self, device: torch.device, wire: torch.dtype | None = None) -> None:
         self.device = device
-        self.wire = WIRE_DTYPES[transfers]
-        """What floating tensors travel as (Plan.compress_transfers); None: their own dtype."""
+        self.wire = wire
+        """What floating tensors travel as (see wire_dtype); None: their own dtype."""
         self.pool = BufferPool(device)
         self.told: dict[tuple[int, Hashable], list[TensorMeta]] = {}
         """(peer, key) -> the header sent to that peer under that key."""

@@ -18,12 +18,13 @@ from torch import nn
 from meshsplit.batch import LossFn, cat_rows, loss_weight, rows, split_rows, to_device
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.cuts import Cuts, find_cuts
-from meshsplit.pipeline.p2p import Exchange, broadcast_tensor
+from meshsplit.pipeline.p2p import Exchange, broadcast_tensor, wire_dtype
 from meshsplit.pipeline.profile import LayerCost
 from meshsplit.pipeline.schedules import bubble_fraction, diagram, forward_only, schedule
 from meshsplit.pipeline.stage import Stage
 from meshsplit.pipeline.tied import TiedGradients
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import Precision
 
 __all__ = ["PipelineRunner"]
 
@@ -41,6 +42,7 @@ class PipelineRunner:
         plan: Plan,
         loss_fn: LossFn,
         example: Any,
+        precision: Precision,
     ) -> None:
         if example is None:
             raise PlanError(
@@ -64,7 +66,8 @@ class PipelineRunner:
             output=cuts.output,
             routes=cuts.routes[self.index],
             peers=[mesh.global_rank(pp=k) for k in range(plan.pp)],
-            exchange=Exchange(mesh.device, plan.compress_transfers),
+            exchange=Exchange(mesh.device, wire_dtype(plan)),
+            precision=precision,
         )
         self.module: nn.Module = self.stage.module
         self.tied = TiedGradients(cuts.shared_parameters(), mesh)

@@ -21,6 +21,7 @@ from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending
 from meshsplit.pipeline.schedules import Action
+from meshsplit.precision import Precision
 
 __all__: list[str] = []
 
@@ -135,6 +136,7 @@ class Stage:
         routes: Routes,
         peers: Sequence[int],
         exchange: Exchange,
+        precision: Precision,
     ) -> None:
         self.index = index
         self.last = index == stages - 1
@@ -145,6 +147,8 @@ class Stage:
         self.routes = routes
         self.peers = list(peers)
         self.exchange = exchange
+        self.precision = precision
+        """The autocast forward and loss run in, and the loss scale backward starts from."""
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
 
@@ -188,7 +192,8 @@ class Stage:
         messages = self.exchange.receive([self.peers[src] for src, _ in self.routes.receives], key)
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
-        made = self.compute(x, *flat)
+        with self.precision.autocast():
+            made = self.compute(x, *flat)
         values = dict(zip(self.program.made, made, strict=True))
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
         sending = self.exchange.send(
@@ -205,7 +210,8 @@ class Stage:
             return
         flight = _InFlight(received=received, buffers=buffers, sent=sent, sending=sending)
         if self.last and loss_of is not None:
-            flight.loss = loss_of(values[self.model_output], y)
+            with self.precision.autocast():
+                flight.loss = loss_of(values[self.model_output], y)
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
         step.in_flight[micro] = flight
 
@@ -218,7 +224,7 @@ class Stage:
         flight = step.in_flight.pop(micro)
         flight.sending.wait()  # the readers have finished this forward: they sent our gradients
         if flight.loss is not None:
-            flight.loss.backward()
+            self.precision.backward(flight.loss)
         wanted = [
             (self.peers[dst], [self.exchange.meta(t) for t in tensors if t.requires_grad])
             for (dst, _), tensors in zip(self.routes.sends, flight.sent, strict=True)

@@ -25,6 +25,7 @@ from meshsplit.mesh import Mesh
 from meshsplit.pipeline.blocks import piece_names
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.plan import Plan
+from meshsplit.precision import Precision
 from meshsplit.runtime.rank_memory import RankMemory
 from meshsplit.runtime.runner import LocalRunner, Runner
 from meshsplit.tensor.collectives import staging
@@ -78,6 +79,7 @@ def apply_plan(
     example: Any,
     lazy: bool,
     memory: RankMemory,
+    precision: Precision,
     restore: Callable[[Applied], None] | None = None,
 ) -> Applied:
     """Split `model` for this rank as `plan` says; `example` is one micro-batch (None when
@@ -106,9 +108,9 @@ def apply_plan(
         )
         # 3. Layer split: this rank's stage of a profile-balanced pipeline, or the whole model.
         if plan.pp > 1:
-            runner = PipelineRunner(model, mesh, plan, loss_fn, example)
+            runner = PipelineRunner(model, mesh, plan, loss_fn, example, precision)
         else:
-            runner = LocalRunner(model, loss_fn, plan.micro_batches)
+            runner = LocalRunner(model, loss_fn, plan.micro_batches, precision)
     if lazy:
         lazy_model.keep(model, runner.local_state_dict(), mesh.device)
     # 4. Data-parallel sync, sharded state or parameter servers, and the optimizer to match.

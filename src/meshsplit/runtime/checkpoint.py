@@ -27,10 +27,13 @@ from meshsplit import tensor as tp_tensor
 from meshsplit.memory import pools
 from meshsplit.mesh import Mesh
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import Precision
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
 LATEST = "latest"
+LOSS_SCALE = "amp/loss_scale"
+"""fp16's loss scale and its clean steps, as one tensor (the same on every rank)."""
 KEEP = 2
 """Complete checkpoints kept in a directory; older ones are removed after a good save."""
 
@@ -58,6 +61,8 @@ class Training:
     """State-dict name -> (dimension, parts) of every tensor the operator split cut."""
     steps: int
     data_position: dict[str, int]
+    precision: Precision | None = None
+    """The fp16 loss scale to save and restore with the rest (none under other precisions)."""
 
 
 def check_plan(plan: Plan) -> None:
@@ -107,8 +112,7 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     state = {
         key: value
         for key, value in state.items()
-        if not (key.startswith("optim/") or key.startswith("rng/"))
-        or key in metadata.state_dict_metadata
+        if not key.startswith(("optim/", "rng/", LOSS_SCALE)) or key in metadata.state_dict_metadata
     }
     _check_fits(state, metadata, path)
     dcp.load(state, storage_reader=FileSystemReader(path))
@@ -128,6 +132,10 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     training.data_position = dict(progress["data_position"])
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
+    scale = training.precision.loss_scale if training.precision is not None else None
+    if LOSS_SCALE in state and scale is not None:
+        value, clean_steps = state[LOSS_SCALE].tolist()
+        scale.load_state_dict({"scale": value, "clean_steps": clean_steps})
     return path
 
 
@@ -241,6 +249,9 @@ def _state(training: Training) -> dict[str, Any]:
         key: _placed(tensor, layouts.get(key), training) for key, tensor in _live_tensors(training)
     }
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
+    scale = training.precision.loss_scale if training.precision is not None else None
+    if scale is not None:  # the same on every rank
+        state[LOSS_SCALE] = torch.tensor([scale.value, scale.clean_steps], dtype=torch.float64)
     state["progress"] = {"steps": training.steps, "data_position": dict(training.data_position)}
     return state
 

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit import phases, tensor
-from meshsplit.batch import LossFn, rows, scores, shapes, split_rows, to_device
+from meshsplit.batch import LossFn, loss_weight, rows, scores, shapes, split_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, describe_batchnorm, discard_batchnorm
 from meshsplit.data_parallel import Sync, gather_rows, gather_shards
 from meshsplit.job.guard import StepGuard
@@ -28,6 +28,7 @@ from meshsplit.memory.report import MemoryReport
 from meshsplit.mesh import Mesh
 from meshsplit.phases import phase
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import Precision
 from meshsplit.runtime import checkpoint, training
 from meshsplit.runtime.apply_plan import Applied, OptimizerFactory, apply_plan
 from meshsplit.runtime.rank_memory import RankMemory
@@ -68,7 +69,10 @@ class Engine:
         self._closed = False
         self._guard = StepGuard(mesh, lambda: {"step": self.steps + 1, "phase": phases.current()})
         self.skipped_steps = 0
-        """Steps whose update was dropped for a non-finite loss or gradient (nonfinite='skip')."""
+        """Steps whose update every rank dropped: an fp16 loss scale that overflowed, or a
+        non-finite loss or gradient under nonfinite='skip'."""
+        self.precision = Precision(plan, mesh.device)
+        """The autocast and (fp16) loss scale every forward and backward of this engine use."""
         self.memory = RankMemory(plan, mesh)
         """This rank's budget and the live-tensor count of each step (see rank_memory.py)."""
 
@@ -98,6 +102,7 @@ class Engine:
             example=example_inputs,
             lazy=self.lazy,
             memory=self.memory,
+            precision=self.precision,
             restore=self._restore if self._pending_load is not None else None,
         )
         return self._applied
@@ -181,6 +186,8 @@ class Engine:
             ),
         ):
             parts.sync.begin_step(parts.runner.backward_passes())
+            micro_rows = rows(x) // self.plan.micro_batches
+            self.precision.begin_step(loss_weight(self.loss_fn, micro_rows, global_rows))
             with (
                 compress.packing(self.plan.compress, parts.runner.module),
                 offload.saved_on_host(self.plan),
@@ -200,14 +207,17 @@ class Engine:
                 step=self.steps + 1,
                 where=self._guard.where,
                 group=self.peers,
+                overflow_skips=self.precision.loss_scale is not None,
             )
             if agreed.finite:
+                self.precision.unscale(parts.sync.gradient_tensors())
                 commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
                     parts.optimizer.step()
             else:
                 discard_batchnorm(parts.runner.module)
                 self.skipped_steps += 1
+            self.precision.stepped(agreed.finite)
             parts.sync.zero_grad()
         self.steps += 1
         return agreed.loss
@@ -322,7 +332,7 @@ class Engine:
         """What a checkpoint sees of this engine: before the split, the whole model and no
         optimizer state."""
         if applied is None:
-            runner: Runner = LocalRunner(self.model, self.loss_fn, 1)
+            runner: Runner = LocalRunner(self.model, self.loss_fn, 1, self.precision)
             optimizer, layouts = None, {}
         else:
             runner, optimizer, layouts = applied.runner, applied.optimizer, self.shard_layouts()
@@ -334,6 +344,7 @@ class Engine:
             layouts=layouts,
             steps=self.steps,
             data_position=self.data_position,
+            precision=self.precision,
         )
 
     def _checkpoint_load(self, state: checkpoint.Training, path: Path) -> Path:

@@ -16,6 +16,7 @@ from torch import nn
 
 from meshsplit.batch import LossFn, call_model, loss_weight, rows, split_rows, tensors
 from meshsplit.phases import phase
+from meshsplit.precision import Precision
 
 __all__: list[str] = []
 
@@ -68,10 +69,13 @@ class Runner(Protocol):
 class LocalRunner:
     """pp == 1: the whole model runs here; micro-batches accumulate gradients."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn, micro_batches: int) -> None:
+    def __init__(
+        self, module: nn.Module, loss_fn: LossFn, micro_batches: int, precision: Precision
+    ) -> None:
         self.module = module
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
+        self.precision = precision
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -93,17 +97,19 @@ class LocalRunner:
             strict=True,
         )
         for micro, (x, y) in enumerate(pieces):
-            with phase(f"forward, micro-batch {micro}"):  # the output dies with the loss's
-                # forward, as in plain PyTorch: no name holds it (and its size) over backward
+            with phase(f"forward, micro-batch {micro}"), self.precision.autocast():
+                # the output dies with the loss's forward, as in plain PyTorch: no name
+                # holds it (and its size) over backward
                 loss = self.loss_fn(call_model(self.module, x), y)
                 loss = loss * loss_weight(self.loss_fn, rows(x), global_rows)
             with phase(f"backward, micro-batch {micro}"):
-                loss.backward()
+                self.precision.backward(loss)
             total += loss.detach()
         return total
 
     def forward(self, inputs: Any) -> Any:
-        return call_model(self.module, inputs)
+        with self.precision.autocast():
+            return call_model(self.module, inputs)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         return self.module.state_dict()

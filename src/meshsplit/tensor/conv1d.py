@@ -127,7 +127,7 @@ class RowParallelConv1D(ParallelLayer):
         if self.scatter_input:
             x = layers.enter_slice(self, x, -1)
         y = layers.leave_sum(self, _matmul(x, self.weight, None))
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # addmm's dtype
 
     def extra_repr(self) -> str:
         n_in, out = self.weight.shape

@@ -208,8 +208,8 @@ class RowParallelLinear(ParallelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scatter_input:
             x = enter_slice(self, x, -1)
-        y = leave_sum(self, F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias
+        y = leave_sum(self, F.linear(x, self.weight))  # the bias in y's dtype, as F.linear
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # would under autocast
 
     def extra_repr(self) -> str:
         out, n_in = self.weight.shape
@@ -326,7 +326,7 @@ class RowParallelConv2d(ParallelLayer):
         if self.scatter_input:
             x = enter_slice(self, x, 1)
         y = leave_sum(self, F.conv2d(x, self.weight, None, **self.options))
-        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
 
     def extra_repr(self) -> str:
         out, n_in, *kernel = self.weight.shape

@@ -22,7 +22,9 @@ __all__ = ["vocab_parallel_cross_entropy"]
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Mean cross-entropy of logits (..., V/tp), split by vocabulary block, against ids (...)."""
+    """Mean cross-entropy of logits (..., V/tp), split by vocabulary block, against ids (...);
+    in float32 whatever the logits' dtype, as F.cross_entropy under autocast."""
+    logits = logits.float()
     rows = logits.shape[-1]
     start = dist.get_rank(group) * rows
     peak = all_reduce_fresh(logits.detach().amax(dim=-1), group, op=dist.ReduceOp.MAX)
