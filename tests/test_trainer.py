@@ -171,8 +171,11 @@ def _digits(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs[:samples], targets[:samples]
 
 
-def _alone(train: tuple[torch.Tensor, torch.Tensor], epochs: int) -> nn.Module:
-    """The small MLP trained in this process on the batches fit draws (batch 64, seed 0)."""
+def _alone(
+    train: tuple[torch.Tensor, torch.Tensor], epochs: int, autocast: torch.dtype | None = None
+) -> nn.Module:
+    """The small MLP trained in this process on the batches fit draws (batch 64, seed 0),
+    forward and loss under `autocast` when given."""
     alone = _small_mlp()
     optimizer = _sgd(alone.parameters())
     samples = len(train[0])
@@ -181,7 +184,9 @@ def _alone(train: tuple[torch.Tensor, torch.Tensor], epochs: int) -> nn.Module:
         for index in range(samples // 64):
             picked = order[index * 64 : (index + 1) * 64]
             optimizer.zero_grad()
-            nn.functional.cross_entropy(alone(train[0][picked]), train[1][picked]).backward()
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=bool(autocast)):
+                loss = nn.functional.cross_entropy(alone(train[0][picked]), train[1][picked])
+            loss.backward()
             optimizer.step()
     return alone
 
@@ -207,6 +212,21 @@ def test_weights_land_in_the_callers_model_and_fit_continues() -> None:
     )  # fmt: skip
     assert set(scores) == {"loss", "accuracy"}
     assert scores == pytest.approx(as_numpy)
+
+
+def test_the_trainer_trains_in_mixed_precision_with_fp32_weights_in_the_callers_model() -> None:
+    train = _digits(512)
+    alone = _alone(train, epochs=1, autocast=torch.bfloat16)
+    model = _small_mlp()
+    plan = ms.Plan(dp=2, pp=2, precision="bf16-mixed")
+    trainer = ms.Trainer(model, plan, optimizer=_sgd, loss_fn=nn.CrossEntropyLoss())
+    trainer.fit(train, epochs=1, batch_size=64, verbose=0)
+    for (key, got), want in zip(
+        model.state_dict().items(), alone.state_dict().values(), strict=True
+    ):
+        assert got.dtype == torch.float32, key
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), key
+    assert trainer.predict(train[0][:4]).dtype == torch.bfloat16  # as it trained
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ as fit(epochs=2) once. Rationale: docs/internals.md#runtimetrainerpy
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -28,6 +29,7 @@ from meshsplit.job.context import in_torchrun
 from meshsplit.job.input_errors import InputError, explain_input_error
 from meshsplit.job.launch import DEFAULT_TIMEOUT_S, WorkerError, launch
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import Precision
 from meshsplit.runtime import training, user_data
 from meshsplit.runtime.parallelize import default_optimizer, parallelize
 
@@ -193,23 +195,31 @@ class Trainer:
     def evaluate(self, dataset: Any, *, batch_size: int = 256) -> dict[str, float]:
         """Mean loss and accuracy of `trainer.model` on `dataset`, in this process (exact).
 
-        Accuracy: the argmax of the last dimension against integer targets."""
+        Accuracy: the argmax of the last dimension against integer targets; under the
+        plan's precision, as training ran."""
         inputs, targets = self._checked(dataset, "dataset")
-        with _eval_mode(self.model):
+        with _eval_mode(self.model), self._autocast():
             return scores(
                 lambda x: call_model(self.model, x), self.loss_fn, inputs, targets, batch_size
             )
 
     @torch.no_grad()
     def predict(self, inputs: Any, *, batch_size: int = 256) -> Any:
-        """`trainer.model`'s outputs for `inputs` (eval mode, no grad), in this process."""
+        """`trainer.model`'s outputs for `inputs` (eval mode, no grad, the plan's precision),
+        in this process."""
         inputs = user_data.as_tensors(inputs, user_data.float_dtype(self.model))
-        with _eval_mode(self.model):
+        with _eval_mode(self.model), self._autocast():
             outputs = [
                 call_model(self.model, take_rows(inputs, slice(start, start + batch_size)))
                 for start in range(0, rows(inputs), batch_size)
             ]
         return torch.cat(outputs) if isinstance(outputs[0], torch.Tensor) else outputs
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The plan's autocast on the device `trainer.model` is on (nothing under fp32)."""
+        first = next(self.model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        return Precision(self.plan, device).autocast()
 
     def _checked(self, dataset: Any, name: str) -> tuple[Any, Any]:
         """`dataset` as (inputs, targets) tensors, refused with InputError when the model
