@@ -73,6 +73,20 @@ def test_tracker_sorts_bytes_by_what_holds_them_and_labels_the_peak() -> None:
     assert tracker.live_bytes < tracker.peak.bytes  # freed storages leave the count
 
 
+def test_autocasts_weight_copies_count_as_parameters_and_its_casts_of_inputs_as_activations() -> (
+    None
+):
+    layer = torch.nn.Linear(256, 256, bias=False)
+    with LiveTensors(torch.device("cpu"), {"parameters": lambda: [layer.weight]}) as tracker:
+        x = torch.randn(512, 256, requires_grad=True)  # a leaf, as a pipeline's received input
+        with phases.phase("forward, micro-batch 0"), torch.autocast("cpu", torch.bfloat16):
+            out = layer(x)  # saves bf16 copies of x and of the weight
+        at_forward = tracker.breakdown()
+        del out
+    assert at_forward["parameters"] == layer.weight.nbytes + layer.weight.nbytes // 2
+    assert at_forward["activations"] == x.nbytes // 2
+
+
 def test_a_phase_over_the_budget_raises_at_its_end_naming_it() -> None:
     with (
         pytest.raises(ms.MemoryBudgetError, match="rank 0, step 1: forward, micro-batch 2"),

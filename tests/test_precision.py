@@ -170,6 +170,7 @@ def _close(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
         assert worst <= bound, f"{where} {key}: off by {worst:.3g} > {bound:.3g}"
 
 
+HF = ("gpt2", "llama", "bert")
 TWO = [
     ("transformer", {"dp": 2}, "bf16-mixed", 1.0),
     ("transformer", {"tp": 2}, "bf16-mixed", 1.0),
@@ -180,14 +181,15 @@ TWO = [
     ("transformer", {"dp": 2}, "fp16-mixed", 1.0),
     ("transformer", {"tp": 2}, "fp16-mixed", OVERFLOWING),
     ("transformer", {"pp": 2, "micro_batches": 2}, "fp16-mixed", OVERFLOWING),
-    *[(m, {"dp": 2}, "bf16-mixed", 1.0) for m in ("gpt2", "llama", "bert")],
-    *[(m, {"tp": 2}, "bf16-mixed", 1.0) for m in ("gpt2", "llama", "bert")],
-    *[(m, {"pp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in ("gpt2", "llama", "bert")],
+    *[(m, {"dp": 2}, "bf16-mixed", 1.0) for m in HF],
+    *[(m, {"tp": 2}, "bf16-mixed", 1.0) for m in HF],
+    *[(m, {"pp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in HF],
+    *[(m, {"dp": 2, "zero": 3}, "bf16-mixed", 1.0) for m in HF],
 ]
 FOUR = [
     ("transformer", {"pp": 2, "tp": 2, "micro_batches": 2}, "bf16-mixed", 1.0),
     ("transformer", {"pp": 2, "tp": 2, "micro_batches": 2}, "fp16-mixed", OVERFLOWING),
-    *[(m, {"pp": 2, "tp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in ("gpt2", "llama")],
+    *[(m, {"pp": 2, "tp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in HF],
 ]
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.fsdp._fully_shard import _fsdp_param
 from torch.distributed.tensor import DTensor
@@ -43,7 +44,8 @@ def count_saved(tensor: torch.Tensor) -> None:
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers", "temporaries")
-"""Where a byte goes. parameters: parameters and module buffers (the model's state);
+"""Where a byte goes. parameters: parameters and module buffers (the model's state, and
+autocast's low-precision copies of the weights that backward keeps);
 buffers: communication buffers (gradient buckets are gradients); temporaries: the rest."""
 
 _RANK = {
@@ -54,6 +56,27 @@ _RANK = {
 }
 """A storage held for two reasons counts once, under the earlier one here: a weight autograd
 saves for backward is a parameter, a received activation lives in a receive buffer."""
+
+
+
+def _weight_copy(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is autocast's low-precision copy of a parameter, or a view of one (a
+    cast straight from a Parameter): the weight in another dtype, held once per step
+    whatever the batch."""
+    step = tensor.grad_fn
+    for _ in range(3):  # a linear saves the copy's transpose
+        if step is None or step.name() not in VIEWS or not step.next_functions:
+            break
+        step = step.next_functions[0][0]
+    if step is None or step.name() != "ToCopyBackward0" or not step.next_functions:
+        return False
+    leaf = getattr(step.next_functions[0][0], "variable", None)
+    return isinstance(leaf, nn.Parameter)
+
+
+VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0"}
+"""Backward nodes of the views a layer saves of its weight."""
+
 
 Holders = dict[str, Callable[[], Iterable[torch.Tensor]]]
 """category -> the tensors that category holds now (re-read at every phase end)."""
@@ -238,7 +261,7 @@ class LiveTensors(TorchDispatchMode):
             self.samples.append(Sample(self._events, phases.current(), totals))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._see(tensor, "activations")
+        self._see(tensor, "parameters" if _weight_copy(tensor) else "activations")
         return tensor
 
     def _classify_holders(self) -> None:
