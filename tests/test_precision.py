@@ -311,3 +311,10 @@ def test_bad_precision_values_are_plan_errors_naming_the_allowed_ones() -> None:
         .describe()
         .endswith("fp16-mixed reduce=bf16")
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autocast on the mesh's CUDA device")
+def test_one_gpu_runs_forward_under_cuda_autocast() -> None:
+    cases: list[Case] = [("transformer", {}, "bf16-mixed", 1.0), ("gpt2", {}, "fp16-mixed", 1.0)]
+    _check(cases, ms.launch(_train, 1, args=(cases,), timeout_s=300))
