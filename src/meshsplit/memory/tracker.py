@@ -58,7 +58,6 @@ _RANK = {
 saves for backward is a parameter, a received activation lives in a receive buffer."""
 
 
-
 def _weight_copy(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is autocast's low-precision copy of a parameter, or a view of one (a
     cast straight from a Parameter): the weight in another dtype, held once per step

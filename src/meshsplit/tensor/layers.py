@@ -19,7 +19,13 @@ from torch import nn
 
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
-from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from meshsplit.tensor.collectives import (
+    copy_to_tp,
+    gather_from_tp,
+    in_autocast_dtype,
+    reduce_from_tp,
+    scatter_to_tp,
+)
 from meshsplit.tensor.shards import ParallelLayer, local_shard
 
 __all__ = [
@@ -33,12 +39,15 @@ __all__ = [
 
 
 def enter_copy(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """Replicated x into `layer`'s split region. forward: identity; backward: all-reduce.
+    """Replicated x into `layer`'s split region. forward: identity (a cast under autocast);
+    backward: all-reduce.
 
     Layers given one `input_copies` (see `InputCopies`) share the copy of a tensor they all read.
     """
     copies = getattr(layer, "input_copies", None)
-    return copies.copy(x, layer.group) if copies is not None else copy_to_tp(x, layer.group)
+    if copies is not None:
+        return copies.copy(x, layer.group)
+    return copy_to_tp(in_autocast_dtype(x), layer.group)
 
 
 def enter_slice(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
