@@ -2,8 +2,8 @@
 
 Each plan trains the same model from the same initial weights on the same global batches;
 the first step (which builds and profiles the split) is left out of the timing, the second
-is the one whose communication is counted. A single-process run of the same steps is the
-reference every plan's losses must match.
+is the one whose communication is counted. A single-process run of the same steps, under
+the same autocast, is the reference every plan's losses must match.
 """
 
 from __future__ import annotations
@@ -26,12 +26,16 @@ from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.simulate import estimate_memory
 from meshsplit.planner.workload import Workload
+from meshsplit.precision import Precision
 from meshsplit.runtime.parallelize import parallelize
 
 __all__: list[str] = []
 
 LOSS_RTOL = 1e-4
 """Relative tolerance of the loss check over all steps (float summation order differs)."""
+MIXED_LOSS_RTOL = 2e-2
+"""The same under mixed precision: each split rounds its sums to bf16/fp16 (8 or 11 bits)
+at different points."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +57,20 @@ class CompareConfig:
     include_ps: bool = False
     """Also run parameter-server plans: 1 or 2 of the devices serve, the rest work, both
     synchronous (staleness 0) and asynchronous (staleness 2)."""
+    precision: str = "fp32"
+    """Plan.precision of every plan (and the reference's autocast)."""
+    reduce_dtype: str = "fp32"
+    """Plan.reduce_dtype of every plan."""
     seed: int = 0
+
+    @property
+    def loss_rtol(self) -> float:
+        """How closely every plan's losses must match the reference's."""
+        return LOSS_RTOL if self.precision == "fp32" else MIXED_LOSS_RTOL
+
+    def plan(self, **shape: Any) -> Plan:
+        """A plan of `shape` with this comparison's precision and reduce dtype."""
+        return Plan(precision=self.precision, reduce_dtype=self.reduce_dtype, **shape)
 
 
 def candidate_plans(config: CompareConfig) -> list[Plan]:
@@ -64,7 +81,7 @@ def candidate_plans(config: CompareConfig) -> list[Plan]:
             tp = config.devices // (dp * pp)
             micro_batches = config.micro_batches if pp > 1 else 1
             plans.append(
-                Plan(
+                config.plan(
                     dp=dp,
                     pp=pp,
                     tp=tp,
@@ -75,7 +92,9 @@ def candidate_plans(config: CompareConfig) -> list[Plan]:
     plans.sort(key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
     if config.include_ps:
         plans += [
-            Plan(dp=config.devices - servers, sync="ps", servers=servers, staleness=staleness)
+            config.plan(
+                dp=config.devices - servers, sync="ps", servers=servers, staleness=staleness
+            )
             for servers in (1, 2)
             if servers < config.devices
             for staleness in (0, 2)
@@ -122,15 +141,23 @@ def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:
 
 
 def reference_losses(config: CompareConfig) -> list[float]:
-    """The same steps in this process, unsplit: the losses every plan must reproduce."""
+    """The same steps in this process, unsplit: the losses every plan must reproduce (fp16
+    steps whose scaled gradients overflow are skipped, as every plan skips them)."""
     model, loss_fn = _model(config), _loss_fn(config)
     optimizer = _optimizer(model.parameters())
+    precision = Precision(config.plan(), torch.device("cpu"))
     losses = []
     for inputs, targets in batches(config):
         optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
+        with precision.autocast():
+            loss = loss_fn(model(inputs), targets)
+        precision.backward(loss)
+        gradients = [p.grad for p in model.parameters() if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in gradients)
+        if finite:
+            precision.unscale(gradients)
+            optimizer.step()
+        precision.stepped(finite)
         losses.append(loss.item())
     return losses
 
@@ -197,6 +224,7 @@ def _pricing(config: CompareConfig, plans: list[Plan]) -> tuple[Workload, Machin
         sizes=[config.batch_size // (p.dp * p.micro_batches) for p in plans],
         optimizer=_optimizer,
         loss_fn=_loss_fn(config),
+        precision=config.precision,
     )
 
 
@@ -259,7 +287,7 @@ def _row(
     # What training added on each rank: the process peak less what torch held before it.
     peaks = [m["peak_bytes"] - m["baseline_bytes"] for m in (r["memory"] for r in results)]
     matched = torch.allclose(
-        torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=1e-6
+        torch.tensor(losses), torch.tensor(reference), rtol=config.loss_rtol, atol=1e-6
     )
     prediction = None if estimate is None else _predicted(pricing, plan)
     if prediction is not None:

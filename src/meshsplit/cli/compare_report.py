@@ -11,7 +11,7 @@ import torch
 from rich.table import Table
 
 from meshsplit.cli import timeline
-from meshsplit.cli.compare import LOSS_RTOL, CompareConfig, accuracy
+from meshsplit.cli.compare import CompareConfig, accuracy
 
 __all__: list[str] = []
 
@@ -118,7 +118,7 @@ def write(config: CompareConfig, rows: list[dict[str, Any]], out: Path) -> list[
     document = {
         "config": vars(config),
         "machine": machine(),
-        "loss_rtol": LOSS_RTOL,
+        "loss_rtol": config.loss_rtol,
         "planner": accuracy(rows),
         "plans": rows,
     }
@@ -133,7 +133,8 @@ def _markdown(config: CompareConfig, rows: list[dict[str, Any]]) -> str:
         f"# meshsplit compare: {config.model} on {config.devices} workers",
         "",
         f"Global batch {config.batch_size}, {config.steps} SGD steps per plan (the first "
-        f"untimed), losses checked against one process (rtol {LOSS_RTOL}).",
+        f"untimed), {config.precision}, losses checked against one process "
+        f"(rtol {config.loss_rtol}).",
         f"Machine: {machine()['platform']}, torch {torch.__version__}.",
         "",
         "| " + " | ".join(HEADERS) + " |",

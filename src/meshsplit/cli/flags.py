@@ -25,11 +25,16 @@ NOT_FLAGS = frozenset({"tp_plan"})
 Python API takes (Plan(tp_plan={'fc1': 'column'}))."""
 
 
-def add_plan_flags(command: argparse.ArgumentParser) -> None:
-    """One flag per Plan field: `--dp 2 --pp 2 --recompute always --stages 3 1 ...`."""
+PRECISION_FIELDS = ("precision", "reduce_dtype")
+"""The Plan fields a command that builds its own plans (plan, compare) takes as flags:
+every plan it builds has them."""
+
+
+def add_plan_flags(command: argparse.ArgumentParser, fields: tuple[str, ...] | None = None) -> None:
+    """One flag per Plan field (or per field in `fields`): `--dp 2 --pp 2 --stages 3 1 ...`."""
     helps, annotations = field_docstrings(), typing.get_type_hints(Plan)
     for field in dataclasses.fields(Plan):
-        if field.name in NOT_FLAGS:
+        if field.name in NOT_FLAGS or (fields is not None and field.name not in fields):
             continue
         options = _argument(field.name, annotations[field.name])
         command.add_argument(

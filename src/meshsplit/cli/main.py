@@ -12,7 +12,7 @@ from meshsplit import models
 from meshsplit.cli import compare_report, memory_view, plan_view, train
 from meshsplit.cli.compare import CompareConfig
 from meshsplit.cli.compare import compare as run_comparison
-from meshsplit.cli.flags import add_plan_flags, plan_from
+from meshsplit.cli.flags import PRECISION_FIELDS, add_plan_flags, plan_from
 from meshsplit.cli.show import print_table
 from meshsplit.job.launch import WorkerError
 from meshsplit.plan import PlanError
@@ -92,6 +92,7 @@ def _compare_options(command: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run parameter-server plans (1-2 servers, staleness 0 and 2)",
     )
+    add_plan_flags(command, PRECISION_FIELDS)
 
 
 def _plan_options(command: argparse.ArgumentParser) -> None:
@@ -106,11 +107,18 @@ def _plan_options(command: argparse.ArgumentParser) -> None:
     )
     command.add_argument("--json", type=Path, help="write the whole report here")
     command.add_argument("--top", type=int, default=12, help="plans in the table")
+    add_plan_flags(command, PRECISION_FIELDS)
 
 
 def plan(args: argparse.Namespace) -> None:
     report = plan_view.choose(
-        args.model, args.devices, args.batch_size, args.memory_budget, args.cluster
+        args.model,
+        args.devices,
+        args.batch_size,
+        args.memory_budget,
+        args.cluster,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
     )
     print_table(plan_view.table(report, top=args.top))
     if args.json:
@@ -126,6 +134,8 @@ def compare(args: argparse.Namespace) -> None:
         micro_batches=args.micro_batches,
         memory_budget=args.memory_budget,
         include_ps=args.include_ps,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
     )
     if config.devices < 1:
         raise PlanError(f"--devices={config.devices} must be at least 1")
@@ -144,6 +154,11 @@ def memory(args: argparse.Namespace) -> None:
         reference.build, plan, batch, default_optimizer, reference.loss()
     )
     print_table(memory_view.table(estimate, measured))
+    note = memory_view.against_fp32(
+        estimate.plan, reference.build, batch, default_optimizer, reference.loss()
+    )
+    if note is not None:
+        Console().print(note, highlight=False)
     for path in memory_view.write(estimate, measured, args.out):
         Console().print(f"wrote {path}")
 

@@ -3,13 +3,16 @@
 The estimate is made in this process before launch (`estimate_memory`); the workers then
 train the same steps and count their live tensors. The table gives, per rank, both peaks,
 the error, the phase of the peak and the categories; memory.png draws every rank's live
-bytes by category over one step, memory.json holds all figures.
+bytes by category over one step, memory.json holds all figures. Under mixed precision a
+line below the table sets each rank's most activation bytes in a step beside the same plan's
+in fp32 (both estimated).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ from rich.table import Table
 
 from meshsplit.batch import LossFn
 from meshsplit.job.launch import launch
-from meshsplit.memory.estimate import MemoryEstimate
+from meshsplit.memory.estimate import MemoryEstimate, RankEstimate
 from meshsplit.memory.tracker import CATEGORIES
 from meshsplit.plan import Plan
 from meshsplit.planner.simulate import estimate_memory
@@ -45,6 +48,33 @@ def measure(
         _worker, plan.world_size, args=(build, estimate.plan, batch, optimizer, loss_fn)
     )
     return estimate, measured
+
+
+def against_fp32(
+    plan: Plan,
+    build: Callable[[], torch.nn.Module],
+    batch: tuple[Any, Any],
+    optimizer: OptimizerFactory,
+    loss_fn: LossFn,
+) -> str | None:
+    """Each rank's most activation bytes over one step, estimated under `plan` and under
+    the same plan (same stages) in fp32; None for an fp32 plan: what mixed precision saves."""
+    if plan.precision == "fp32":
+        return None
+    fp32 = replace(plan, precision="fp32", reduce_dtype="fp32")
+    low, full = (
+        estimate_memory(build(), p, batch, optimizer=optimizer, loss_fn=loss_fn, timeline=True)
+        for p in (plan, fp32)
+    )
+    return f"most activations in a step, {plan.precision} / fp32 (MiB): " + ", ".join(
+        f"rank {a.rank} {_most_activations(a) / _MIB:.2f} / {_most_activations(b) / _MIB:.2f}"
+        for a, b in zip(low.ranks, full.ranks, strict=True)
+    )
+
+
+def _most_activations(rank: RankEstimate) -> int:
+    column = CATEGORIES.index("activations")
+    return max((sample.bytes_by_category[column] for sample in rank.timeline), default=0)
 
 
 def _worker(

@@ -36,9 +36,13 @@ def choose(
     batch_size: int,
     memory_budget: str | None = None,
     cluster: str | None = None,
+    *,
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> PlanReport:
     """The planner's report for the reference model `model` on `devices` devices, priced on
-    the first `batch_size` training rows (`cluster`: a machine that is not this one)."""
+    the first `batch_size` training rows (`cluster`: a machine that is not this one) with
+    every plan at `precision` and `reduce_dtype`."""
     reference = models.reference(model)
     return choose_plan(
         reference.model(),
@@ -48,6 +52,8 @@ def choose(
         loss_fn=reference.loss(),
         memory_budget=memory_budget,
         cluster=cluster,
+        precision=precision,
+        reduce_dtype=reduce_dtype,
     )
 
 

@@ -75,7 +75,14 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, Prediction | None]:
     """The plan from the flags, or the planner's choice and its prediction (--plan auto)."""
     if args.plan != "auto":
         return plan_from(args), None
-    report = plan_view.choose(args.model, args.devices, args.batch_size, args.memory_budget)
+    report = plan_view.choose(
+        args.model,
+        args.devices,
+        args.batch_size,
+        args.memory_budget,
+        precision=args.precision,
+        reduce_dtype=args.reduce_dtype,
+    )
     plan, chosen = report.best, report.rows[0].prediction
     Console().print(
         f"planner: {plan.describe()}, predicted {chosen.step_time_s * 1e3:.1f} ms "

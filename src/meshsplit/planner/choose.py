@@ -4,7 +4,8 @@ The model is measured in this process (`measure.py`), the machine's links come f
 calibration cache (or a cluster file in paper mode), every plan is priced (`search.py`),
 and the fastest few are given the exact per-rank memory estimate of `simulate.py` (the
 rest keep the cost model's memory). A plan whose estimate passes the budget moves to the
-infeasible list with the estimate's numbers.
+infeasible list with the estimate's numbers. Under mixed precision the model is measured
+under the autocast its workers will run (a cluster on paper computes at that dtype's FLOP/s).
 """
 
 from __future__ import annotations
@@ -99,15 +100,19 @@ def choose_plan(
     cluster: str | None = None,
     machine: Machine | None = None,
     estimate_top: int = 3,
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
 ) -> PlanReport:
     """Rank every plan for `devices` devices on the global `example_batch`, and explain.
 
     `cluster`: a cluster file or a shipped name ('dgx-a100', 'dgx-h100', 'dgx-h200'), to
     price a machine that is not here; `machine`: links and cores given as numbers.
+    `precision` and `reduce_dtype` (as in Plan) hold for every plan ranked.
     """
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise PlanError(f"devices={devices!r} must be a positive integer; e.g. devices=4")
-    Plan(memory_budget=memory_budget)  # a bad budget is refused before any work
+    # a bad budget or precision is refused before any work
+    Plan(memory_budget=memory_budget, precision=precision, reduce_dtype=reduce_dtype)
     workload, machine = pricing(
         model,
         example_batch,
@@ -117,8 +122,11 @@ def choose_plan(
         loss_fn=loss_fn,
         cluster=cluster,
         machine=machine,
+        precision=precision,
     )
-    ranking = search(workload, machine, devices, memory_budget=memory_budget)
+    ranking = search(
+        workload, machine, devices, memory_budget=memory_budget, reduce_dtype=reduce_dtype
+    )
     infeasible = list(ranking.infeasible)
     rows: list[PlanRow] = []
     for prediction in ranking.rows:
@@ -184,7 +192,13 @@ def predict_plan(
 ) -> Prediction:
     """The planner's prediction of one plan on this machine (measures the model for it)."""
     workload, machine = pricing(
-        model, batch, plan.world_size, widths=[plan.tp], optimizer=optimizer, loss_fn=loss_fn
+        model,
+        batch,
+        plan.world_size,
+        widths=[plan.tp],
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        precision=plan.precision,
     )
     return predict(workload, machine, plan)
 
@@ -200,12 +214,14 @@ def pricing(
     loss_fn: LossFn | None = None,
     cluster: str | None = None,
     machine: Machine | None = None,
+    precision: str = "fp32",
 ) -> tuple[Workload, Machine]:
     """What the cost model prices plans for `devices` devices with: the model measured at
-    the tp `widths` (and micro-batch `sizes`), and the machine — `machine` as given, a
-    cluster on paper, or this host's links with how its workers share its cores."""
+    the tp `widths` (and micro-batch `sizes`) under Plan.precision `precision`, and the
+    machine — `machine` as given, a cluster on paper, or this host's links with how its
+    workers share its cores."""
     if machine is None:
-        machine = machine_for(devices, cluster)
+        machine = machine_for(devices, cluster, precision)
         if cluster is None:
             machine = with_sharing(machine, model, batch, devices, optimizer, loss_fn)
     workload = measure_workload(
@@ -216,6 +232,7 @@ def pricing(
         optimizer=optimizer,
         loss_fn=loss_fn,
         threads=None if machine.cores is None else threads_per_worker(devices),
+        precision=precision,
     )
     return workload, machine
 
@@ -252,10 +269,14 @@ MEASURED_WORKERS = 8
 """The most local workers a calibration or a sharing measurement starts on this host."""
 
 
-def machine_for(devices: int, cluster: str | None = None) -> Machine:
+CLUSTER_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+"""Plan.precision -> the dtype whose FLOP/s a cluster on paper computes at."""
+
+
+def machine_for(devices: int, cluster: str | None = None, precision: str = "fp32") -> Machine:
     """This host's measured links (cached; groups past MEASURED_WORKERS are priced as the
-    largest measured one), or a cluster's on paper."""
+    largest measured one), or a cluster's on paper, computing at `precision`'s dtype."""
     if cluster is not None:
-        return load_cluster(cluster).machine()
+        return load_cluster(cluster).machine(dtype=CLUSTER_DTYPES[precision])
     sizes = sorted({d for d in divisors(devices) if 1 < d <= MEASURED_WORKERS} | {2})
     return cached_machine(tuple(sizes))

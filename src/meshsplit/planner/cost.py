@@ -4,7 +4,10 @@ Pure arithmetic on measured items, so every plan is priced without running it. P
 stage s costs F_s = Σ forward(r) + tp_f(r) and B_s = Σ backward(r) + tp_b(r) [+ F_s if
 recomputed]; the schedule's actions, run stage by stage, give the pipeline's makespan, which dp
 traffic, the optimizer and cores shared by the workers then lengthen. `terms` splits the step
-into what the busiest rank spends. Rationale: docs/internals.md#plannercostpy
+into what the busiest rank spends. Precision is priced where it acts: compute, saved
+activations and tp traffic are the workload's, measured under the plan's autocast; stage
+messages travel in the wire dtype (2 bytes per floating value under mixed precision) and
+the dp gradient reduce in Plan.reduce_dtype. Rationale: docs/internals.md#plannercostpy
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshsplit.memory.recompute import recomputes
+from meshsplit.pipeline.p2p import wire_dtype
 from meshsplit.pipeline.partition import balance
 from meshsplit.pipeline.schedules import Action, max_in_flight, schedule
 from meshsplit.plan import Plan
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.workload import Item, Traffic, Workload
+from meshsplit.precision import REDUCE_DTYPES
 
 __all__: list[str] = []
 
@@ -127,15 +132,19 @@ class _Stage:
     recompute_s: float = 0.0
     send_s: float = 0.0
     """One boundary message to the next stage (activation forward, same bytes back)."""
+    reduced_bytes: float = 0.0
+    """The trainable gradients as the dp reduce sends them (in Plan.reduce_dtype)."""
     parameter_bytes: int = 0
     trainable_bytes: int = 0
     saved_bytes: float = 0.0
     input_bytes: float = 0.0
+    """The activation from the previous stage, as it arrives (in the wire dtype)."""
     largest_output: float = 0.0
     largest_unit_bytes: int = 0
     """The parameters of the stage's largest item: what zero 3 holds gathered at a time."""
     tp_bytes: float = 0.0
     send_bytes: float = 0.0
+    """The activation to the next stage, as it travels (in the wire dtype)."""
 
     @property
     def f(self) -> float:
@@ -176,12 +185,29 @@ def _stages(
         if recomputes(plan.recompute, s, plan.pp):
             stage.recompute_s = stage.forward_s + stage.tp_forward_s
         if s > 0:
-            stage.input_bytes = items[starts[s] - 1].output_bytes_per_row * rows
+            stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
         if s < plan.pp - 1:
-            stage.send_bytes = run[-1].output_bytes_per_row * rows
+            stage.send_bytes = _message_bytes(run[-1], plan) * rows
             stage.send_s = _message_s(machine, plan, stage.send_bytes)
+        stage.reduced_bytes = stage.trainable_bytes * _reduce_share(plan)
         stages.append(stage)
     return stages
+
+
+def _message_bytes(item: Item, plan: Plan) -> float:
+    """Bytes per row of the message a stage boundary after `item` sends: its outputs, with
+    floating tensors at 2 bytes when transfers travel in bf16 or fp16 (see p2p.wire_dtype)."""
+    if wire_dtype(plan) is None:
+        return item.output_bytes_per_row
+    if item.compact_output_bytes_per_row is None:
+        return item.output_bytes_per_row / 2
+    return item.compact_output_bytes_per_row
+
+
+def _reduce_share(plan: Plan) -> float:
+    """Bytes the dp gradient reduce moves per byte of (fp32) gradient: Plan.reduce_dtype's."""
+    dtype = REDUCE_DTYPES[plan.reduce_dtype]
+    return 1.0 if dtype is None else dtype.itemsize / 4
 
 
 def simulate_pipeline(
@@ -246,20 +272,26 @@ def _dp_s(machine: Machine, plan: Plan, st: _Stage, overlap: float) -> float:
     if plan.dp <= 1:
         return 0.0
     if plan.zero <= 1:
-        exposed = dp_exposed_s(machine, plan, st.trainable_bytes, overlap * st.b)
+        exposed = dp_exposed_s(machine, plan, st.reduced_bytes, overlap * st.b)
         if plan.zero:
             exposed += machine.seconds("all_gather", plan.dp, st.trainable_bytes / plan.dp)
         return exposed
     m = plan.micro_batches
     gathers = m * (2 if plan.zero == 3 else 1)
     gather_s = machine.seconds("all_gather", plan.dp, st.parameter_bytes / plan.dp)
-    scatter_s = machine.seconds("reduce_scatter", plan.dp, st.trainable_bytes)
+    scatter_s = machine.seconds("reduce_scatter", plan.dp, st.reduced_bytes)
     hidden = overlap * st.b * (m - 1) / m  # the last micro-batch's scatter is exposed
     return gathers * gather_s + max(m * scatter_s - hidden, scatter_s)
 
 
 def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
-    """Step time, its terms and per-stage memory of `plan` (tp must be a measured width)."""
+    """Step time, its terms and per-stage memory of `plan` (tp must be a measured width,
+    and the workload measured under the plan's precision)."""
+    if plan.precision != workload.precision:
+        raise ValueError(
+            f"{plan.describe()} is {plan.precision} and the workload was measured under "
+            f"{workload.precision}; measure it under the plan's precision"
+        )
     rows = rows_per_micro_batch(plan, workload.global_rows)
     sizes = stage_sizes(workload.items[plan.tp], plan, rows)
     stages = _stages(workload, machine, plan, rows, sizes)
@@ -322,15 +354,16 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
 
 def _dp_bytes(plan: Plan, st: _Stage) -> float:
     """Bytes one rank sends over dp in a step: an all-reduce moves 2(dp-1)/dp of the
-    gradients; zero 2-3 one reduce-scatter (dp-1)/dp per micro-batch and as many all-gathers
-    of the parameters as it gathers."""
+    gradients (in Plan.reduce_dtype), zero 1 then all-gathers the updated parameters; zero
+    2-3 one reduce-scatter (dp-1)/dp per micro-batch and as many all-gathers of the
+    parameters as it gathers (parameters travel in their own dtype: fp32 master weights)."""
     if plan.dp <= 1:
         return 0.0
     share = (plan.dp - 1) / plan.dp
     if plan.zero <= 1:
-        return (2 * st.trainable_bytes + (st.trainable_bytes if plan.zero else 0)) * share
+        return (2 * st.reduced_bytes + (st.trainable_bytes if plan.zero else 0)) * share
     gathers = plan.micro_batches * (2 if plan.zero == 3 else 1)
-    return plan.micro_batches * st.trainable_bytes * share + gathers * st.parameter_bytes * share
+    return plan.micro_batches * st.reduced_bytes * share + gathers * st.parameter_bytes * share
 
 
 def _memory(

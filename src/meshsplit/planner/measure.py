@@ -5,7 +5,9 @@ process group of k ranks, in which collectives return at once), cut into the ite
 layer split cuts between, and profiled at two micro-batch sizes; one further forward and
 backward counts, per item, the collectives it calls over tp, the bytes autograd saves for
 it and its FLOPs. A real step of the unsplit model gives the optimizer's seconds per byte
-and the engine's own overhead per step. Nothing here predicts; `cost.py` does.
+and the engine's own overhead per step. Under mixed precision every forward and loss runs
+under the autocast a worker uses, so times, bytes and traffic are the low dtype's on this
+device. Nothing here predicts; `cost.py` does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import copy
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -52,10 +54,12 @@ def measure_workload(
     loss_fn: LossFn | None = None,
     threads: int | None = None,
     sizes: list[int] | None = None,
+    precision: str = "fp32",
 ) -> Workload:
     """The workload of `model` on the global `batch`, at each tp width in `widths`, timed
     with `threads` compute threads (what each worker will have; default: as now) at the
-    micro-batch rows in `sizes` (default: every power of two of the batch down to 1/64)."""
+    micro-batch rows in `sizes` (default: every power of two of the batch down to 1/64),
+    under Plan.precision `precision`."""
     if dist.is_initialized():
         raise RuntimeError("measure the workload outside ms.launch (it simulates ranks)")
     inputs, targets = batch
@@ -67,20 +71,21 @@ def measure_workload(
     items: dict[int, tuple[Item, ...]] = {}
     refused: dict[int, str] = {}
     try:
-        sizes, too_few = _runnable_sizes(model, inputs, targets, sizes, loss_fn)
+        sizes, too_few = _runnable_sizes(model, inputs, targets, sizes, loss_fn, precision)
         for width in widths:
             try:
                 with fake_group(0, width):
-                    items[width] = _items(model, inputs, targets, width, sizes, loss_fn)
+                    items[width] = _items(model, inputs, targets, width, sizes, loss_fn, precision)
             except PlanError as error:
                 refused[width] = str(error)
         with fake_group(0, 1):
-            whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1))
+            whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1), precision)
     finally:
         torch.set_rng_state(rng)
         torch.set_num_threads(threads_before)
     return Workload(
         items=items,
+        precision=precision,
         refused=refused,
         global_rows=global_rows,
         min_rows=sizes[0] if too_few else 1,
@@ -90,7 +95,12 @@ def measure_workload(
 
 
 def _runnable_sizes(
-    model: nn.Module, inputs: Any, targets: Any, sizes: list[int], loss_fn: LossFn | None
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    sizes: list[int],
+    loss_fn: LossFn | None,
+    precision: str,
 ) -> tuple[list[int], str]:
     """The sizes from the smallest micro-batch the model trains on, and what it said below.
 
@@ -98,13 +108,15 @@ def _runnable_sizes(
     value per channel); the plans that would give them that few are infeasible, not errors.
     """
     with fake_group(0, 1):
-        engine = _split(model, 1, loss_fn, inputs)
+        engine = _split(model, 1, loss_fn, inputs, precision)
     complaint = ""
     try:
         for index, n in enumerate(sizes[:-1]):
             try:
-                output = call_model(engine.module, take_rows(inputs, slice(0, n)))
-                engine.loss_fn(output, take_rows(targets, slice(0, n))).backward()
+                with _autocast(engine):
+                    output = call_model(engine.module, take_rows(inputs, slice(0, n)))
+                    loss = engine.loss_fn(output, take_rows(targets, slice(0, n)))
+                loss.backward()
                 return sizes[index:], complaint
             except (ValueError, RuntimeError) as error:
                 complaint = f"{n} rows: {error}"
@@ -114,12 +126,20 @@ def _runnable_sizes(
         engine.close()
 
 
-def _split(model: nn.Module, width: int, loss_fn: LossFn | None, inputs: Any) -> Engine:
+def _split(
+    model: nn.Module, width: int, loss_fn: LossFn | None, inputs: Any, precision: str
+) -> Engine:
+    plan = Plan(tp=width, precision=precision)
     with counting_only():
-        engine = parallelize(copy.deepcopy(model), Plan(tp=width), loss_fn=loss_fn)
+        engine = parallelize(copy.deepcopy(model), plan, loss_fn=loss_fn)
     engine.prepare(inputs)
     engine.memory.track = False
     return engine
+
+
+def _autocast(engine: Engine) -> AbstractContextManager[Any]:
+    """The autocast the engine's workers run forward and loss in (nothing under fp32)."""
+    return engine.precision.autocast()
 
 
 def _items(
@@ -129,10 +149,14 @@ def _items(
     width: int,
     sizes: list[int],
     loss_fn: LossFn | None,
+    precision: str,
 ) -> tuple[Item, ...]:
-    engine = _split(model, width, loss_fn, inputs)
+    engine = _split(model, width, loss_fn, inputs, precision)
     module = engine.module
-    timed = [find_cuts(module, take_rows(inputs, slice(0, n)), Plan(), lambda c: c) for n in sizes]
+    with _autocast(engine):
+        timed = [
+            find_cuts(module, take_rows(inputs, slice(0, n)), Plan(), lambda c: c) for n in sizes
+        ]
     cuts, high = timed[-1], sizes[-1]
     counts = _count(
         cuts, engine, take_rows(inputs, slice(0, high)), take_rows(targets, slice(0, high))
@@ -151,6 +175,8 @@ def _items(
                 backward=Line(tuple(backward)),
                 parameter_bytes=tensor_bytes([*part.parameters(), *part.buffers()]),
                 output_bytes_per_row=cuts.costs[index].activation_bytes / high,
+                compact_output_bytes_per_row=count.compact(cuts.costs[index].activation_bytes)
+                / high,
                 saved_bytes_per_row=count.saved / high,
                 trainable=any(p.requires_grad for p in part.parameters()),
                 forward_flops_per_row=count.flops[0] / high,
@@ -171,6 +197,24 @@ class _Counts:
         self.flops = [0.0, 0.0]
         self.calls: list[dict[str, list[float]]] = [defaultdict(lambda: [0, 0.0]) for _ in range(2)]
         self.storages: set[int] = set()
+        self.output_bytes = 0
+        """Bytes of the item's output tensors, as the item made them."""
+        self.compact_output_bytes = 0
+        """The same with floating tensors at 2 bytes each (bf16 or fp16 on the wire)."""
+
+    def sized(self, _: nn.Module, __: Any, output: Any) -> None:
+        """A forward hook on the item: the bytes of what it made, as made and compacted."""
+        tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        self.output_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.compact_output_bytes = sum(
+            t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors
+        )
+
+    def compact(self, boundary_bytes: int) -> float:
+        """`boundary_bytes` of the item's outputs with floating tensors at 2 bytes each."""
+        if not self.output_bytes:
+            return boundary_bytes / 2
+        return boundary_bytes * self.compact_output_bytes / self.output_bytes
 
     def traffic(self, direction: int, rows_: int) -> tuple[Traffic, ...]:
         return tuple(
@@ -223,11 +267,13 @@ def _count(cuts: Cuts, engine: Engine, inputs: Any, targets: Any) -> list[_Count
         for index, item in enumerate(cuts.modules):
             for sub in item.modules():
                 stack.enter_context(_charging(sub, index, mode))
+            stack.callback(item.register_forward_hook(counts[index].sized).remove)
         stack.enter_context(count_traffic(mode))
         stack.enter_context(saved_tensors_hooks(mode.pack, lambda t: t))
         stack.enter_context(mode)
-        output = call_model(module, inputs)
-        loss = engine.loss_fn(output, targets)
+        with _autocast(engine):
+            output = call_model(module, inputs)
+            loss = engine.loss_fn(output, targets)
         mode.direction, mode.current = 1, len(counts) - 1
         loss.backward()
     module.zero_grad(set_to_none=True)
@@ -267,14 +313,16 @@ def _whole_step(
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
     items: tuple[Item, ...] | None,
+    precision: str,
     repeats: int = 3,
 ) -> dict[str, Any]:
     """Loss, optimizer and overhead from real steps of the unsplit model in this process."""
+    plan = Plan(precision=precision)
     with counting_only():
-        engine = parallelize(copy.deepcopy(model), Plan(), optimizer=optimizer, loss_fn=loss_fn)
+        engine = parallelize(copy.deepcopy(model), plan, optimizer=optimizer, loss_fn=loss_fn)
     engine.memory.track = False
     n = rows(inputs)
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(engine):
         output = call_model(engine.module, inputs)  # what the loss reads, made once
     steps, optimizer_s, loss_s = [], [], []
     for _ in range(repeats + 1):
@@ -284,7 +332,7 @@ def _whole_step(
         started = time.perf_counter()
         engine.optimizer.step()
         optimizer_s.append(time.perf_counter() - started)
-        loss_s.append(_time_loss(engine.loss_fn, output, targets))
+        loss_s.append(_time_loss(engine, output, targets))
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
     parameter_bytes = tensor_bytes(trainable)
     state = tensor_bytes(optimizer_tensors(engine.optimizer))
@@ -303,8 +351,9 @@ def _whole_step(
     }
 
 
-def _time_loss(loss_fn: LossFn, output: Any, targets: Any) -> tuple[float, float]:
-    """Seconds of the loss's forward and backward on the model's (detached) output."""
+def _time_loss(engine: Engine, output: Any, targets: Any) -> tuple[float, float]:
+    """Seconds of the loss's forward (under the engine's autocast) and backward on the
+    model's (detached) output."""
     leaves = pytree.tree_map(
         lambda t: (
             t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
@@ -312,7 +361,8 @@ def _time_loss(loss_fn: LossFn, output: Any, targets: Any) -> tuple[float, float
         output,
     )
     started = time.perf_counter()
-    loss = loss_fn(leaves, targets)
+    with _autocast(engine):
+        loss = engine.loss_fn(leaves, targets)
     middle = time.perf_counter()
     loss.backward()
     return middle - started, time.perf_counter() - middle

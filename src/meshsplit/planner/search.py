@@ -6,11 +6,13 @@ recompute never, except the last stage, always; optimizer state whole or sharded
 A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
 the model has fewer trainable items than stages, a layer does not split that wide) or when
 its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
+Every plan, priced or refused, carries the precision the workload was measured under and
+the dp reduce dtype asked for.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshsplit.memory.tracker import format_bytes
 from meshsplit.plan import Plan, divisors
@@ -42,16 +44,7 @@ def _variants(plan: Plan) -> list[Plan]:
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
     zeros = (0, 1, 2, 3) if plan.dp > 1 else (0,)
     return [
-        Plan(
-            dp=plan.dp,
-            pp=plan.pp,
-            tp=plan.tp,
-            micro_batches=plan.micro_batches,
-            schedule=s,
-            recompute=c,
-            zero=z,
-            memory_budget=plan.memory_budget,
-        )
+        replace(plan, schedule=s, recompute=c, zero=z)
         for s in schedules
         for c in checkpoints
         for z in zeros
@@ -64,15 +57,19 @@ def search(
     devices: int,
     *,
     memory_budget: str | int | None = None,
+    reduce_dtype: str = "fp32",
 ) -> Ranking:
-    """Price every plan for `devices` devices; fastest first."""
-    budget = Plan(memory_budget=memory_budget).budget_bytes
+    """Price every plan for `devices` devices under the workload's precision; fastest first."""
+    common = Plan(
+        memory_budget=memory_budget, precision=workload.precision, reduce_dtype=reduce_dtype
+    )
+    budget = common.budget_bytes
     rows: list[Prediction] = []
     infeasible: list[tuple[Plan, str]] = []
     for dp in divisors(devices):
         for pp in divisors(devices // dp):
             tp = devices // (dp * pp)
-            shape = Plan(dp=dp, pp=pp, tp=tp, memory_budget=memory_budget)
+            shape = replace(common, dp=dp, pp=pp, tp=tp)
             reason = _shape_refusal(workload, shape)
             if reason is not None:
                 infeasible.append((shape, reason))
@@ -87,7 +84,7 @@ def search(
                 continue
             least = None  # the smallest per-rank need of this shape, for the refusal
             for m in _runnable(workload, shape, options, replica_rows, infeasible):
-                base = Plan(dp=dp, pp=pp, tp=tp, micro_batches=m, memory_budget=memory_budget)
+                base = replace(shape, micro_batches=m)
                 for plan in _variants(base):
                     prediction = predict(workload, machine, plan)
                     need = max(prediction.memory_bytes)
@@ -117,7 +114,7 @@ def _runnable(
         if replica_rows // m >= workload.min_rows:
             kept.append(m)
             continue
-        plan = Plan(dp=shape.dp, pp=shape.pp, tp=shape.tp, micro_batches=m)
+        plan = replace(shape, micro_batches=m, memory_budget=None)
         infeasible.append(
             (plan, f"micro-batch size: {replica_rows // m} rows per micro-batch, and the model "
              f"needs at least {workload.min_rows} ({workload.min_rows_reason}); use fewer "

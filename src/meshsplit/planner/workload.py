@@ -59,7 +59,12 @@ class Item:
     parameter_bytes: int
     """Parameters and buffers this tp rank holds for the item."""
     output_bytes_per_row: float
-    """What a stage boundary after the item sends per row (and receives back as gradient)."""
+    """What a stage boundary after the item sends per row (and receives back as gradient),
+    in the dtypes the item makes them (under autocast: the autocast dtype for matmuls)."""
+    compact_output_bytes_per_row: float | None = None
+    """The same outputs with their floating tensors in a 2-byte dtype: what the boundary
+    sends when transfers travel in bf16 or fp16 (mixed precision, compress_transfers='bf16').
+    None: half of output_bytes_per_row (outputs all fp32)."""
     saved_bytes_per_row: float
     """Tensors autograd keeps for the item's backward, per row."""
     trainable: bool = True
@@ -75,6 +80,8 @@ class Workload:
 
     items: dict[int, tuple[Item, ...]]
     """tp width -> the items, in order."""
+    precision: str = "fp32"
+    """The Plan.precision the items were measured under (their times, bytes and traffic)."""
     loss_forward: Line
     loss_backward: Line
     optimizer_s_per_byte: float
