@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 
-__all__ = ["Plan", "PlanError"]
+from meshsplit.plan_values import PlanError, divisors, parse_bytes
+
+__all__ = ["Plan", "PlanError", "divisors"]
 
 SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_POLICIES = ("never", "except_last", "always", "auto")
@@ -19,26 +20,6 @@ NONFINITE = ("raise", "skip", "off")
 SYNCS = ("allreduce", "ps")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 REDUCE_DTYPES = ("fp32", "bf16")
-UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-}
-
-
-class PlanError(ValueError):
-    """A plan that cannot work; the message names the field, the values and a fix."""
-
-
-def divisors(n: int) -> list[int]:
-    """The sizes that divide n evenly, for error messages that list what would work."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +62,7 @@ class Plan:
     when the model already runs on the host; 'activations': tensors saved for backward on
     the host (GPU only)."""
     precision: str = "fp32"
-    """'bf16-mixed' or 'fp16-mixed': forward and loss under torch.autocast in that dtype
+    """'fp32', 'bf16-mixed' or 'fp16-mixed': forward and loss under torch.autocast in that dtype
     (pipeline transfers too), parameters, gradients and optimizer state kept in fp32;
     fp16 adds a dynamic loss scale (GradScaler's rule) whose overflowing steps are skipped."""
     reduce_dtype: str = "fp32"
@@ -365,25 +346,3 @@ class Plan:
 def _positive(value: object) -> bool:
     """A positive int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def parse_bytes(value: str | int, field_name: str) -> int:
-    """'2GiB', '1.5 GB', '512MiB' or an int -> bytes; anything else is a PlanError."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        number, unit = float(value), "B"
-    elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-        if match is None:
-            raise PlanError(f"{field_name}={value!r} is not a size; write e.g. '2GiB' or '512MB'")
-        number, unit = float(match.group(1)), match.group(2) or "B"
-    else:
-        raise PlanError(f"{field_name}={value!r} is not a size; write e.g. '2GiB' or '512MB'")
-    if unit not in UNITS:
-        raise PlanError(
-            f"{field_name}={value!r} has the unknown unit {unit!r}; use one of "
-            f"{', '.join(UNITS)}, e.g. '2GiB'"
-        )
-    size = int(number * UNITS[unit])
-    if size <= 0:
-        raise PlanError(f"{field_name}={value!r} must be positive; e.g. '2GiB'")
-    return size
