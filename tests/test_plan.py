@@ -80,6 +80,8 @@ VALID_AMONG_THEM = {  # field -> repr of the values above that are a valid form 
     "split_points": ["None", "[]"],  # no cut: the pp - 1 = 0 cuts of one stage
     "tp_plan": ["None"],
     "zero": ["0", "True"],  # True means 1
+    "capacity_factor": ["1.5", "None", "1000000000"],
+    "ep_plan": ["None"],
     "bucket_mb": ["1.5", "1000000000"],
     "memory_budget": ["'2'", "None", "1000000000"],  # bytes
     "reserve_memory": ["True"],

@@ -15,14 +15,14 @@ LEVELS = {
     "plan": 0, "batch": 0, "phases": 0, "data": 0, "models": 0, "batchnorm": 0, "mesh": 0,
     "gather": 0, "precision": 0, "plan_values": 0,
     "job": 1,
-    "tensor": 2, "pipeline": 2, "data_parallel": 2, "memory": 2,
+    "tensor": 2, "pipeline": 2, "data_parallel": 2, "experts": 2, "memory": 2,
     "runtime": 3,
     "planner": 4,
     "cli": 5,
     "__init__": 6, "__main__": 6,
 }  # fmt: skip
 """cli -> planner -> runtime -> axes and memory -> job -> mesh, plan, batch (DESIGN.md)."""
-AXES = {"tensor", "pipeline", "data_parallel"}
+AXES = {"tensor", "pipeline", "data_parallel", "experts"}
 
 
 def _module(path: Path) -> str:

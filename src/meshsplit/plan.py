@@ -18,6 +18,8 @@ TRANSFER_COMPRESSIONS = ("none", "bf16")
 OFFLOADS = ("none", "optimizer", "activations")
 NONFINITE = ("raise", "skip", "off")
 SYNCS = ("allreduce", "ps")
+WHOLE_MODEL_DEFAULTS = {"pp": 1, "tp": 1, "ep": 1, "zero": 0, "offload": "none"}
+"""The fields sync='ps' keeps at their defaults: every worker holds the whole model."""
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 REDUCE_DTYPES = ("fp32", "bf16")
 
@@ -47,6 +49,14 @@ class Plan:
     memory_budget with the least added time; nothing without a budget)."""
     tp_plan: Mapping[str, str] | None = field(default=None, hash=False)
     """Per-module operator split overriding the automatic rule, e.g. {'fc1': 'column'}."""
+    ep: int = 1
+    """Expert-parallel width: each mixture-of-experts layer's experts divided over ep of the
+    dp ranks (ep divides dp), tokens sent to their experts by all-to-all."""
+    capacity_factor: float | None = None
+    """ep > 1: at most capacity_factor x (tokens x top-k / experts) tokens per expert from
+    each rank, the rest dropped and counted; None: dropless (exact)."""
+    ep_plan: Mapping[str, str] | None = field(default=None, hash=False)
+    """Experts modules named by hand, e.g. {'model.layers.0.mlp.experts': 'experts'}."""
     zero: int = 0
     """Shard training state over dp (ZeRO): 0 none, 1 optimizer state, 2 also gradients
     (reduce-scatter instead of all-reduce), 3 also parameters (gathered per block for
@@ -159,6 +169,7 @@ class Plan:
         if self.memory_budget is not None:
             parse_bytes(self.memory_budget, "Plan.memory_budget")
         self._check_memory_options()
+        self._check_experts()
         self._check_sync()
         bucket = self.bucket_mb
         if not isinstance(bucket, int | float) or isinstance(bucket, bool) or not bucket > 0:
@@ -189,6 +200,37 @@ class Plan:
                     f"{', '.join(repr(a) for a in allowed)}"
                 )
 
+    def _check_experts(self) -> None:
+        """ep carved out of dp; a cap that is a positive number; experts named by path."""
+        if not _positive(self.ep) or self.dp % self.ep:
+            raise PlanError(
+                f"Plan.ep={self.ep!r} must be a positive integer that divides dp={self.dp} (ep "
+                f"ranks are dp ranks but for the experts); use ep in {divisors(self.dp)}"
+            )
+        if self.ep > 1 and self.zero:
+            raise PlanError(
+                f"Plan.ep={self.ep} does not combine with zero={self.zero} yet: experts are "
+                "reduced over their own group, which ZeRO's sharding does not follow; use "
+                "zero=0 with ep, or ep=1 with ZeRO"
+            )
+        cap = self.capacity_factor
+        if cap is not None and (
+            not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0
+        ):
+            raise PlanError(
+                f"Plan.capacity_factor={cap!r} must be a positive number (e.g. 1.25) or None "
+                "(dropless: every token reaches its experts)"
+            )
+        names = self.ep_plan
+        if names is not None and not (
+            isinstance(names, Mapping)
+            and all(isinstance(k, str) and v == "experts" for k, v in names.items())
+        ):
+            raise PlanError(
+                f"Plan.ep_plan={names!r} must map module paths to 'experts'; e.g. "
+                "ep_plan={'model.layers.0.mlp.experts': 'experts'} or leave it None"
+            )
+
     def _check_sync(self) -> None:
         """Parameter servers run whole-model replicas with the optimizer on the servers."""
         if self.sync not in SYNCS:
@@ -217,7 +259,7 @@ class Plan:
             )
         unsupported = [
             f"{name}={getattr(self, name)!r}"
-            for name, default in (("pp", 1), ("tp", 1), ("zero", 0), ("offload", "none"))
+            for name, default in WHOLE_MODEL_DEFAULTS.items()
             if getattr(self, name) != default
         ]
         if unsupported:
@@ -303,6 +345,10 @@ class Plan:
             text += f" {self.schedule}"
         if self.recompute != "never":
             text += f" recompute={self.recompute}"
+        if self.ep > 1:
+            text += f" ep{self.ep}"
+            if self.capacity_factor is not None:
+                text += f" capacity{self.capacity_factor}"
         if self.zero:
             text += f" zero{self.zero}"
         for name in ("compress", "compress_transfers", "offload"):
@@ -328,6 +374,9 @@ class Plan:
             "split_points": list(self.split_points) if self.split_points else None,
             "recompute": self.recompute,
             "tp_plan": dict(self.tp_plan) if self.tp_plan else None,
+            "ep": self.ep,
+            "capacity_factor": self.capacity_factor,
+            "ep_plan": dict(self.ep_plan) if self.ep_plan else None,
             "zero": self.zero,
             "compress": self.compress,
             "compress_transfers": self.compress_transfers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from meshsplit.data_parallel.allreduce import gather_rows
 from meshsplit.data_parallel.sync import (
+    ExpertParameters,
     ShardUnits,
     Sync,
     TrainingState,
@@ -15,6 +16,7 @@ from meshsplit.data_parallel.sync import (
 from meshsplit.data_parallel.zero import gather_shards
 
 __all__ = [
+    "ExpertParameters",
     "ShardUnits",
     "Sync",
     "TrainingState",

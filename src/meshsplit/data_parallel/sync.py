@@ -19,6 +19,7 @@ from torch import nn
 
 from meshsplit.data_parallel import ps
 from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
+from meshsplit.data_parallel.experts import WithExperts
 from meshsplit.data_parallel.zero import shard_optimizer, shard_state
 from meshsplit.job.context import before_exit
 from meshsplit.plan import Plan, PlanError
@@ -74,6 +75,28 @@ class ShardUnits:
     """Parameters another stage also holds (tied): never sharded."""
 
 
+@dataclass(frozen=True)
+class ExpertParameters:
+    """The expert parameters this rank holds, and the dp ranks that hold the same ones
+    (None: no other rank does, dp == ep)."""
+
+    parameters: list[nn.Parameter]
+    same_experts: dist.ProcessGroup | None
+
+
+def _sync(
+    params: list[nn.Parameter],
+    group: dist.ProcessGroup | None,
+    plan: Plan,
+    reduce_dtype: torch.dtype | None,
+) -> GradientSync | LocalGradients:
+    """Buckets summed over `group`, or a lone holder's own gradients without one."""
+    if group is None:
+        return LocalGradients(params)
+    scan = plan.nonfinite != "off"
+    return GradientSync(params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype)
+
+
 @dataclass
 class TrainingState:
     """A replica's gradient sync and the optimizer that goes with it."""
@@ -113,11 +136,13 @@ def training_state(
     parameters: Callable[[], Iterator[nn.Parameter]],
     make_optimizer: OptimizerFactory,
     units: ShardUnits,
+    experts: ExpertParameters | None = None,
 ) -> TrainingState:
     """The gradient sync over the dp `group` and the optimizer, as Plan.sync and Plan.zero
     say: parameter servers, FSDP2 shards (zero 2, 3), or all-reduced buckets with the
     optimizer state whole or dealt over dp (zero 1). `parameters` is read after sharding."""
     reduce_dtype = REDUCE_DTYPES[plan.reduce_dtype]
+    scan = plan.nonfinite != "off"
     if plan.sync == "ps":
         client = ps.ParameterClient(parameters(), plan)
         before_exit(client.close)  # the servers wait for every worker's goodbye
@@ -136,11 +161,17 @@ def training_state(
         )
         return TrainingState(sharded, make_optimizer(parameters()), make_optimizer, True)
     params = list(parameters())
+    if experts is not None:  # Plan.ep > 1, which takes no ZeRO
+        held = {id(p) for p in experts.parameters}
+        dense = [p for p in params if id(p) not in held]
+        split = WithExperts(
+            GradientSync(dense, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype),
+            _sync(experts.parameters, experts.same_experts, plan, reduce_dtype),
+        )
+        return TrainingState(split, make_optimizer(params), make_optimizer, True)
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = GradientSync(
-        params, group, plan.bucket_mb, scan=plan.nonfinite != "off", reduce_dtype=reduce_dtype
-    )
+    sync = GradientSync(params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype)
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True

@@ -20,6 +20,14 @@ from meshsplit import data_parallel, tensor
 from meshsplit.batch import LossFn
 from meshsplit.batchnorm import batchnorm_state, convert_batchnorm
 from meshsplit.data_parallel import ShardUnits, Sync
+from meshsplit.experts import (
+    ExpertGroups,
+    ExpertSplit,
+    expert_groups,
+    find_experts,
+    parameters_of,
+    split_experts,
+)
 from meshsplit.memory import lazy_model, offload, pools, reclaim, recompute
 from meshsplit.mesh import Mesh
 from meshsplit.pipeline.blocks import piece_names
@@ -49,6 +57,9 @@ class Applied:
     preallocated: pools.Preallocated
     offloaded: offload.Offload | None
     """Optimizer state held on the host (Plan.offload='optimizer'), to close with the engine."""
+    expert_split: list[ExpertSplit]
+    """The experts modules divided over ep (none without Plan.ep)."""
+    expert_groups: ExpertGroups | None
 
     def close(self, plan: Plan, mesh: Mesh) -> None:
         """Give back what applying the plan took: hooks, gradient buckets, optimizer state
@@ -101,19 +112,27 @@ def apply_plan(
             operator_split = tensor.parallelize(
                 model, mesh, plan.tp_plan, example=example, realize=lazy_model.realize_tree
             )
+        # 3. Expert split: each experts module's experts divided over ep of the dp ranks
+        #    (before the layer split, which cuts the model with them in place).
+        experts: list[ExpertSplit] = []
+        groups = None
+        if plan.ep > 1:
+            groups = expert_groups(mesh, plan.ep)
+            found = find_experts(model, plan.ep_plan)
+            experts = split_experts(model, found, groups.ep, plan.capacity_factor)
         # What each block saves, measured on the whole model before the layer split cuts it
-        # (recompute='auto' chooses from it in step 6).
+        # (recompute='auto' chooses from it in step 7).
         profile = (
             recompute.measure_blocks(model, blocks, example) if plan.chooses_recompute else None
         )
-        # 3. Layer split: this rank's stage of a profile-balanced pipeline, or the whole model.
+        # 4. Layer split: this rank's stage of a profile-balanced pipeline, or the whole model.
         if plan.pp > 1:
             runner = PipelineRunner(model, mesh, plan, loss_fn, example, precision)
         else:
             runner = LocalRunner(model, loss_fn, plan.micro_batches, precision)
     if lazy:
         lazy_model.keep(model, runner.local_state_dict(), mesh.device)
-    # 4. Data-parallel sync, sharded state or parameter servers, and the optimizer to match.
+    # 5. Data-parallel sync, sharded state or parameter servers, and the optimizer to match.
     state = data_parallel.training_state(
         plan,
         mesh.group("dp"),
@@ -121,10 +140,11 @@ def apply_plan(
         runner.parameters,
         make_optimizer,
         _shard_units(runner),
+        _expert_parameters(runner, model, experts, groups),
     )
     if isinstance(runner, PipelineRunner):
         runner.reread_state()  # sharding gave its items new tensors
-    # 5. Memory pools: the optimizer state made now (on the host under offload), not in step 1.
+    # 6. Memory pools: the optimizer state made now (on the host under offload), not in step 1.
     offloaded = None
     if plan.offload == "optimizer":
         offloaded = offload.host_state(state.optimizer, mesh.device)
@@ -135,7 +155,7 @@ def apply_plan(
         budget_bytes=plan.budget_bytes,
         state=state.holds_optimizer_state,
     )
-    # 6. Recompute, held to the budget: whole stages or every block as Plan.recompute says,
+    # 7. Recompute, held to the budget: whole stages or every block as Plan.recompute says,
     #    or under 'auto' the blocks that make this rank fit memory_budget for the least time
     #    (chosen against the state the steps above left here, on every rank at once).
     chosen = memory.fit(runner, state.sync, state.counted_optimizer, profile)
@@ -150,11 +170,24 @@ def apply_plan(
         batchnorm=batchnorm,
         preallocated=preallocated,
         offloaded=offloaded,
+        expert_split=experts,
+        expert_groups=groups,
     )
-    # 7. A checkpoint asked for before the split existed is read into it now.
+    # 8. A checkpoint asked for before the split existed is read into it now.
     if restore is not None:
         restore(applied)
     return applied
+
+
+def _expert_parameters(
+    runner: Runner, model: nn.Module, splits: list[ExpertSplit], groups: ExpertGroups | None
+) -> data_parallel.ExpertParameters | None:
+    """This rank's expert parameters (of its stage), summed over the ranks holding the same."""
+    if groups is None:
+        return None
+    here = {id(p) for p in runner.parameters()}
+    held = [p for p in parameters_of(model, splits) if id(p) in here]
+    return data_parallel.ExpertParameters(held, groups.same_experts)
 
 
 def _shard_units(runner: Runner) -> ShardUnits:

@@ -66,7 +66,13 @@ class Training:
 
 
 def check_plan(plan: Plan) -> None:
-    """Refuse checkpoints where the training state is not on the workers."""
+    """Refuse checkpoints where the training state is not on the workers, or is split in a
+    way the checkpoint does not record (experts over ep)."""
+    if plan.ep > 1:
+        raise PlanError(
+            f"checkpoints of Plan.ep={plan.ep} are not supported yet; save full_state_dict() "
+            "(experts gathered whole) and build the next engine from it"
+        )
     if plan.sync == "ps":
         raise PlanError(
             "checkpoints of sync='ps' plans are not supported: the optimizer state lives "

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from meshsplit import phases, tensor
+from meshsplit import experts, phases, tensor
 from meshsplit.batch import LossFn, loss_weight, rows, scores, shapes, split_rows, to_device
 from meshsplit.batchnorm import commit_batchnorm, describe_batchnorm, discard_batchnorm
 from meshsplit.data_parallel import Sync, gather_rows, gather_shards
@@ -149,6 +149,11 @@ class Engine:
     def operator_split(self) -> list[tensor.Decision]:
         """Each layer's operator-split decision (none before the split or without tp)."""
         return self._applied.operator_split if self._applied is not None else []
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Token slots this rank's experts modules dropped so far (Plan.capacity_factor)."""
+        return experts.dropped_tokens(self.model, self._built().expert_split)
 
     @property
     def preallocated(self) -> pools.Preallocated:
@@ -292,6 +297,9 @@ class Engine:
         local = gather_shards(self.runner.local_state_dict())
         if self.plan.tp > 1:
             local = tensor.unshard_state_dict(self.model, local, self.mesh.group("tp"))
+        applied = self._built()
+        if applied.expert_groups is not None:
+            local = experts.unshard_experts(local, applied.expert_split, applied.expert_groups.ep)
         local = {k: v.detach().cpu().clone() for k, v in local.items()}
         if self.plan.pp == 1:
             return local
@@ -366,6 +374,7 @@ class Engine:
             "plan": plan.as_dict(),
             **applied.runner.describe(),
             "operator_split": [decision.as_dict() for decision in applied.operator_split],
+            "expert_split": [split.as_dict() for split in applied.expert_split],
             "batchnorm": describe_batchnorm(applied.batchnorm, plan.dp, plan.micro_batches),
             "memory": self.memory.budget.as_dict() if self.memory.budget is not None else None,
         }

@@ -1,0 +1,233 @@
+"""Expert split (Plan.ep): each experts module keeps 1/ep of its experts on each ep rank.
+
+An experts module is one called as `experts(hidden_states, top_k_index, top_k_weights)`
+(Hugging Face transformers v5's MoE families, or a user's own with that call) whose experts
+lie along dim 0 of its fused parameters. Its class becomes a subclass whose forward sends
+each token to the ranks holding its experts (dispatch.py) and runs the module's own forward
+there on the rows that arrived, each with its local expert and weight 1; the router's
+weights are applied where the token lives. State-dict names stay the original's; only the
+expert dimension shrinks, so the unsplit state gathers back along dim 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshsplit.experts.dispatch import dispatch
+from meshsplit.gather import all_gather_flat
+from meshsplit.mesh import Mesh
+from meshsplit.plan_values import PlanError, divisors
+
+__all__: list[str] = []
+
+CALL = ("hidden_states", "top_k_index", "top_k_weights")
+"""How an experts module is called (transformers v5's one shape for every MoE family)."""
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """One experts module as it was split."""
+
+    path: str
+    experts: int
+    per_rank: int
+    tensors: tuple[str, ...]
+    """Its parameters split along dim 0 (names under the module)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.path,
+            "experts": self.experts,
+            "per_rank": self.per_rank,
+            "tensors": list(self.tensors),
+        }
+
+
+def find_experts(model: nn.Module, named: Mapping[str, str] | None) -> list[str]:
+    """The experts modules of `model`: those `named` (Plan.ep_plan), else every module
+    called like one whose parameters hold the experts along dim 0."""
+    modules = dict(model.named_modules())
+    if named:
+        missing = [path for path in named if path not in modules]
+        if missing:
+            raise PlanError(
+                f"Plan.ep_plan names {missing}, which are not modules of "
+                f"{type(model).__name__}; name experts modules such as "
+                "'model.layers.0.mlp.experts'"
+            )
+        return list(named)
+    found = [path for path, module in modules.items() if _experts_call(module) and _count(module)]
+    if not found:
+        raise PlanError(
+            f"Plan.ep > 1 but {type(model).__name__} has no experts module (one called as "
+            "experts(hidden_states, top_k_index, top_k_weights) with the experts along dim 0 "
+            "of its 3-D parameters); use ep=1, or name them in Plan.ep_plan"
+        )
+    return found
+
+
+def _experts_call(module: nn.Module) -> bool:
+    try:
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return tuple(names[:3]) == CALL
+
+
+def _count(module: nn.Module) -> int | None:
+    """The number of experts: the shared dim 0 of the module's 3-D parameters (None: none)."""
+    counts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def split_experts(
+    model: nn.Module,
+    paths: list[str],
+    group: dist.ProcessGroup,
+    capacity_factor: float | None,
+) -> list[ExpertSplit]:
+    """Keep this ep rank's experts of each module in `paths`, in place (every ep rank calls)."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    splits = []
+    for path in paths:
+        module = model.get_submodule(path)
+        experts = _count(module)
+        if experts is None:
+            raise PlanError(
+                f"{path} ({type(module).__name__}) holds no 3-D parameters with the experts "
+                "along dim 0; name only fused experts modules in Plan.ep_plan"
+            )
+        if experts % ranks:
+            raise PlanError(
+                f"Plan.ep={ranks} does not divide the {experts} experts of {path}; use ep in "
+                f"{divisors(experts)}"
+            )
+        per_rank = experts // ranks
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        names = []
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() >= 1 and param.shape[0] == experts:
+                kept = nn.Parameter(param.detach()[mine].clone(), param.requires_grad)
+                setattr(module, name, kept)
+                names.append(name)
+        if getattr(module, "num_experts", None) == experts:
+            setattr(module, "num_experts", per_rank)  # noqa: B010 (the module's own forward reads it)
+        for name, value in (
+            ("ep_group", group),
+            ("ep_experts", experts),
+            ("ep_capacity", capacity_factor),
+            ("dropped_tokens", 0),
+        ):
+            setattr(module, name, value)
+        module.__class__ = _expert_parallel_class(type(module))
+        splits.append(ExpertSplit(path, experts, per_rank, tuple(names)))
+    return splits
+
+
+class ExpertParallel:
+    """Mixed in first: tokens go to their experts' ranks and come back weighted."""
+
+    ep_group: dist.ProcessGroup
+    ep_experts: int
+    ep_capacity: float | None
+    dropped_tokens: int
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        local_forward = super().forward  # type: ignore[misc]
+
+        def run_local(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(len(rows), 1, dtype=top_k_weights.dtype, device=rows.device)
+            return local_forward(rows, local.unsqueeze(-1), ones)
+
+        output, dropped = dispatch(
+            hidden_states, top_k_index, top_k_weights, self.ep_experts, self.ep_group,
+            run_local, self.ep_capacity,
+        )  # fmt: skip
+        self.dropped_tokens += dropped
+        return output
+
+
+_CLASSES: dict[type, type] = {}
+"""One expert-parallel subclass per experts class."""
+
+
+def _expert_parallel_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    return _CLASSES[cls]
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's two expert groups: the ep ranks that divide the experts among them, and
+    the dp ranks that hold the same experts (whose expert gradients are summed)."""
+
+    ep: dist.ProcessGroup
+    same_experts: dist.ProcessGroup | None
+    """None when dp == ep: no other rank holds these experts."""
+
+
+def expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
+    """Carve ep out of dp (consecutive dp ranks share the experts out) on every stage and tp
+    rank; every rank creates every group, in one order."""
+    dp = mesh.size("dp")
+    mine = mesh.rank("dp")
+    ep_group = same_group = None
+    for stage in range(mesh.size("pp")):
+        for tp_rank in range(mesh.size("tp")):
+            at = [mesh.global_rank(dp=d, pp=stage, tp=tp_rank) for d in range(dp)]
+            here = stage == mesh.rank("pp") and tp_rank == mesh.rank("tp")
+            for block in range(dp // ep):
+                group = mesh.new_group(at[block * ep : (block + 1) * ep])
+                if here and mine // ep == block:
+                    ep_group = group
+            if dp == ep:
+                continue
+            for offset in range(ep):
+                group = mesh.new_group(at[offset::ep])
+                if here and mine % ep == offset:
+                    same_group = group
+    assert ep_group is not None
+    return ExpertGroups(ep_group, same_group)
+
+
+def expert_layouts(splits: list[ExpertSplit]) -> set[str]:
+    """The state-dict names (from the model's root) split along dim 0 over ep."""
+    return {f"{s.path}.{name}" if s.path else name for s in splits for name in s.tensors}
+
+
+def unshard_experts(
+    state: Mapping[str, torch.Tensor], splits: list[ExpertSplit], group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
+    """`state` with every expert tensor gathered whole along dim 0 (every ep rank calls,
+    in key order)."""
+    split = expert_layouts(splits)
+    ranks = dist.get_world_size(group)
+    whole = {}
+    for key, value in state.items():
+        if key in split:
+            gathered = value.new_empty((ranks * value.shape[0], *value.shape[1:]))
+            all_gather_flat(gathered, value.contiguous(), group=group)
+            value = gathered
+        whole[key] = value
+    return whole
+
+
+def dropped_tokens(model: nn.Module, splits: list[ExpertSplit]) -> int:
+    """Token slots the split experts modules dropped so far (Plan.capacity_factor)."""
+    modules = [model.get_submodule(split.path) for split in splits]
+    return sum(m.dropped_tokens for m in modules if isinstance(m, ExpertParallel))
+
+
+def parameters_of(model: nn.Module, splits: list[ExpertSplit]) -> list[nn.Parameter]:
+    """The expert parameters this rank holds (reduced over the ranks holding the same)."""
+    return [getattr(model.get_submodule(s.path), name) for s in splits for name in s.tensors]

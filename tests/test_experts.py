@@ -1,0 +1,236 @@
+"""Expert parallelism (Plan.ep) equals one process, and each rank holds 1/ep of the experts.
+
+Mixtral, Qwen2-MoE (with its shared expert) and a mixture-of-experts model written here, with
+fused 3-D experts called as experts(hidden_states, top_k_index, top_k_weights), train 3 SGD
+steps under each plan against plain PyTorch on the global batch. Tokens go to their experts
+by all-to-all (dropless), so the result is one process's up to summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import meshsplit as ms
+
+from reference import OPTIMIZERS
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import Wrap  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+BATCH, STEPS, VOCAB = 8, 3, 64
+
+
+class FusedExperts(nn.Module):
+    """E two-layer experts as two 3-D parameters, called as transformers v5 calls its own."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.up.shape[0]):
+            token, slot = torch.where(top_k_index == expert)
+            h = torch.relu(hidden_states[token] @ self.up[expert].T) @ self.down[expert].T
+            out = out.index_add(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    """LayerNorm, a top-2 router over 4 fused experts, and the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.router = nn.Linear(16, 4)
+        self.experts = FusedExperts(4, 16, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h).reshape(-1, 16)
+        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        return h + self.experts(x, index, weights).view_as(h)
+
+
+class OwnMoE(nn.Module):
+    """Embedding, two mixture-of-experts blocks, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.Sequential(MoEBlock(), MoEBlock())
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+def _hf(model_class: str, config_class: str, **config: Any) -> nn.Module:
+    settings = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, **config,
+    )  # fmt: skip
+    return Wrap(getattr(transformers, model_class)(settings))
+
+
+BUILDERS = {
+    "own": OwnMoE,
+    "mixtral": lambda: _hf(
+        "MixtralForCausalLM", "MixtralConfig", intermediate_size=32, num_local_experts=4
+    ),
+    "qwen2_moe": lambda: _hf(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        intermediate_size=32,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts_per_tok=2,
+    ),  # fmt: skip
+}
+
+
+def _build(model: str) -> nn.Module:
+    torch.manual_seed(0)
+    return BUILDERS[model]()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = ms.data.synthetic_tokens(BATCH * STEPS, seq_len=8, vocab_size=VOCAB, seed=1)
+    return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
+
+
+def _expert_bytes(net: nn.Module) -> int:
+    return sum(p.nbytes for p in net.parameters() if p.dim() == 3)
+
+
+def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    net, loss_fn = _build(model), ms.models.TokenCrossEntropy()
+    optimizer, losses = OPTIMIZERS["sgd"](net.parameters()), []
+    for x, y in _batches():
+        optimizer.zero_grad()
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+Case = tuple[str, dict[str, int]]
+
+
+def _train(cases: list[Case]) -> list[dict[str, Any]]:
+    results = []
+    for model, fields in cases:
+        engine = ms.parallelize(
+            _build(model), ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+        losses = [engine.train_step(x, y) for x, y in _batches()]
+        held = sum(p.nbytes for p in engine.module.parameters() if p.dim() == 3)
+        results.append(
+            {
+                "losses": losses,
+                "state": engine.full_state_dict(),
+                "expert_bytes": held,
+                "split": engine.describe()["expert_split"],
+                "peak": engine.memory_report().tensor_peak_bytes,
+            }
+        )
+        engine.close()
+    return results
+
+
+def _check(cases: list[Case], per_rank: list[list[dict[str, Any]]]) -> None:
+    for index, (model, fields) in enumerate(cases):
+        want_losses, want_state = _single(model)
+        whole = _expert_bytes(_build(model))
+        for rank, results in enumerate(per_rank):
+            got = results[index]
+            where = f"{model} {ms.Plan(**fields).describe()} rank {rank}"
+            torch.testing.assert_close(
+                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
+                msg=lambda m, where=where: f"{where} losses: {m}",
+            )  # fmt: skip
+            assert got["state"].keys() == want_state.keys(), where
+            for key, value in want_state.items():
+                torch.testing.assert_close(
+                    got["state"][key], value, rtol=RTOL, atol=ATOL,
+                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
+                )  # fmt: skip
+            share = whole / fields["ep"] / fields.get("pp", 1)
+            assert got["expert_bytes"] <= 1.05 * share, f"{where}: {got['expert_bytes']} > {share}"
+            assert got["split"] and all(
+                s["per_rank"] * fields["ep"] == s["experts"] for s in got["split"]
+            )
+
+
+TWO: list[Case] = [(m, {"dp": 2, "ep": 2}) for m in BUILDERS]
+FOUR: list[Case] = [
+    *[(m, {"dp": 4, "ep": 4}) for m in BUILDERS],
+    *[(m, {"dp": 4, "ep": 2}) for m in BUILDERS],
+    *[(m, {"dp": 2, "ep": 2, "tp": 2}) for m in ("own", "mixtral")],
+    *[(m, {"dp": 2, "ep": 2, "pp": 2, "micro_batches": 2}) for m in BUILDERS],
+]
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_dividing_the_experts_match_one_process_and_the_estimate() -> None:
+    per_rank = ms.launch(_train, 2, args=(TWO,), timeout_s=300)
+    _check(TWO, per_rank)
+    for index, (model, fields) in enumerate(TWO):
+        estimate = ms.estimate_memory(
+            _build(model), ms.Plan(**fields), _batches()[0], optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+        for rank, results in enumerate(per_rank):
+            predicted, measured = estimate.ranks[rank].peak_bytes, results[index]["peak"]
+            assert abs(predicted - measured) <= 0.1 * measured, (model, rank, predicted, measured)
+
+
+@pytest.mark.timeout(900)
+def test_ep_inside_dp_with_tp_and_pp_matches_one_process() -> None:
+    _check(FOUR, ms.launch(_train, 4, args=(FOUR,), timeout_s=600))
+
+
+def test_plans_that_cannot_divide_the_experts_are_plan_errors() -> None:
+    with pytest.raises(ms.PlanError, match=r"Plan.ep=3 .* divides dp=4"):
+        ms.Plan(dp=4, ep=3)
+    with pytest.raises(ms.PlanError, match=r"Plan.ep=2 does not combine with zero=2"):
+        ms.Plan(dp=2, ep=2, zero=2)
+    with pytest.raises(ms.PlanError, match=r"capacity_factor=-1"):
+        ms.Plan(dp=2, ep=2, capacity_factor=-1)
+
+
+def _capped_and_refused() -> dict[str, Any]:
+    """A capacity that drops tokens, and ep on a model without experts."""
+    engine = ms.parallelize(
+        _build("own"), ms.Plan(dp=2, ep=2, capacity_factor=0.5), optimizer=OPTIMIZERS["sgd"],
+        loss_fn=ms.models.TokenCrossEntropy(),
+    )  # fmt: skip
+    losses = [engine.train_step(x, y) for x, y in _batches()]
+    dropped = engine.dropped_tokens
+    engine.close()
+    try:
+        ms.parallelize(ms.models.mlp((784, 16, 10)), ms.Plan(dp=2, ep=2)).prepare(
+            torch.zeros(4, 784)
+        )
+    except ms.PlanError as error:
+        return {"losses": losses, "dropped": dropped, "refused": str(error)}
+    return {"losses": losses, "dropped": dropped, "refused": ""}
+
+
+def test_a_capacity_drops_and_counts_tokens_and_ep_without_experts_is_refused() -> None:
+    first, second = ms.launch(_capped_and_refused, 2, timeout_s=300)
+    assert first["losses"] == second["losses"]
+    # 8 x 8 tokens x top-2 over 4 experts: 32 slots per expert from each rank, capped at 16
+    assert first["dropped"] > 0 and second["dropped"] > 0
+    assert "has no experts module" in first["refused"] and "ep=1" in first["refused"]
