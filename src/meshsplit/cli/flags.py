@@ -20,9 +20,9 @@ from meshsplit.plan import Plan
 
 __all__ = ["add_plan_flags", "plan_from"]
 
-NOT_FLAGS = frozenset({"tp_plan"})
-"""Fields the command line does not take: tp_plan maps module paths to splits, which the
-Python API takes (Plan(tp_plan={'fc1': 'column'}))."""
+NOT_FLAGS = frozenset({"tp_plan", "ep_plan"})
+"""Fields the command line does not take: tp_plan and ep_plan map module paths to splits,
+which the Python API takes (Plan(tp_plan={'fc1': 'column'}))."""
 
 
 PRECISION_FIELDS = ("precision", "reduce_dtype")
