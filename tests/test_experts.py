@@ -45,14 +45,36 @@ class FusedExperts(nn.Module):
         return out
 
 
-class MoEBlock(nn.Module):
-    """LayerNorm, a top-2 router over 4 fused experts, and the residual."""
+class ListedExperts(nn.Module):
+    """E experts as a ModuleList of small MLPs, with the same call."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+            for _ in range(experts)
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for number, expert in enumerate(self.experts):
+            token, slot = torch.where(top_k_index == number)
+            if len(token):
+                h = expert(hidden_states[token])
+                out = out.index_add(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    """LayerNorm, a top-2 router over 4 experts, and the residual."""
+
+    def __init__(self, listed: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(16)
         self.router = nn.Linear(16, 4)
-        self.experts = FusedExperts(4, 16, 32)
+        self.experts = ListedExperts(4, 16, 32) if listed else FusedExperts(4, 16, 32)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = self.norm(h).reshape(-1, 16)
@@ -63,10 +85,10 @@ class MoEBlock(nn.Module):
 class OwnMoE(nn.Module):
     """Embedding, two mixture-of-experts blocks, head."""
 
-    def __init__(self) -> None:
+    def __init__(self, listed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.Sequential(MoEBlock(), MoEBlock())
+        self.blocks = nn.Sequential(MoEBlock(listed), MoEBlock(listed))
         self.head = nn.Linear(16, VOCAB)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -83,6 +105,7 @@ def _hf(model_class: str, config_class: str, **config: Any) -> nn.Module:
 
 BUILDERS = {
     "own": OwnMoE,
+    "own_listed": lambda: OwnMoE(listed=True),
     "mixtral": lambda: _hf(
         "MixtralForCausalLM", "MixtralConfig", intermediate_size=32, num_local_experts=4
     ),
@@ -109,7 +132,11 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _expert_bytes(net: nn.Module) -> int:
-    return sum(p.nbytes for p in net.parameters() if p.dim() == 3)
+    return sum(p.nbytes for name, p in net.named_parameters() if _is_expert(name, p))
+
+
+def _is_expert(name: str, param: torch.Tensor) -> bool:
+    return param.dim() == 3 or ".experts.experts." in name
 
 
 def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -135,7 +162,7 @@ def _train(cases: list[Case]) -> list[dict[str, Any]]:
             loss_fn=ms.models.TokenCrossEntropy(),
         )  # fmt: skip
         losses = [engine.train_step(x, y) for x, y in _batches()]
-        held = sum(p.nbytes for p in engine.module.parameters() if p.dim() == 3)
+        held = _expert_bytes(engine.module)
         results.append(
             {
                 "losses": losses,
@@ -234,3 +261,39 @@ def test_a_capacity_drops_and_counts_tokens_and_ep_without_experts_is_refused() 
     # 8 x 8 tokens x top-2 over 4 experts: 32 slots per expert from each rank, capped at 16
     assert first["dropped"] > 0 and second["dropped"] > 0
     assert "has no experts module" in first["refused"] and "ep=1" in first["refused"]
+
+
+def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
+    """Two steps under dp2 ep2, saved; the third after loading under dp2 (ep1) and again
+    under dp2 ep2."""
+    batches = _batches()
+
+    def engine(fields: dict[str, int]) -> ms.Engine:
+        return ms.parallelize(
+            _build(model), ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+
+    first = engine({"dp": 2, "ep": 2})
+    for x, y in batches[:2]:
+        first.train_step(x, y)
+    first.save(directory)
+    first.close()
+    results = []
+    for fields in ({"dp": 2}, {"dp": 2, "ep": 2}):
+        resumed = engine(fields)
+        resumed.load(directory)
+        loss = resumed.train_step(*batches[2])
+        results.append({"loss": loss, "state": resumed.full_state_dict()})
+        resumed.close()
+    return results
+
+
+@pytest.mark.parametrize("model", ["own", "own_listed", "mixtral"])
+def test_a_checkpoint_under_ep_resumes_under_any_ep(tmp_path: Any, model: str) -> None:
+    want_losses, want_state = _single(model)
+    for per_plan in ms.launch(_resumed, 2, args=(str(tmp_path), model), timeout_s=300):
+        for got in per_plan:
+            assert got["loss"] == pytest.approx(want_losses[2], rel=RTOL)
+            for key, value in want_state.items():
+                torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL)

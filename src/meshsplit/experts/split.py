@@ -40,13 +40,15 @@ class ExpertSplit:
     per_rank: int
     tensors: tuple[str, ...]
     """Its parameters split along dim 0 (names under the module)."""
+    listed: str | None = None
+    """The ModuleList child holding the experts, when they are modules (else fused)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "module": self.path,
             "experts": self.experts,
             "per_rank": self.per_rank,
-            "tensors": list(self.tensors),
+            "tensors": list(self.tensors) or [f"{self.listed}.*"],
         }
 
 
@@ -63,7 +65,7 @@ def find_experts(model: nn.Module, named: Mapping[str, str] | None) -> list[str]
                 "'model.layers.0.mlp.experts'"
             )
         return list(named)
-    found = [path for path, module in modules.items() if _experts_call(module) and _count(module)]
+    found = list(experts_in(model))
     if not found:
         raise PlanError(
             f"Plan.ep > 1 but {type(model).__name__} has no experts module (one called as "
@@ -71,6 +73,16 @@ def find_experts(model: nn.Module, named: Mapping[str, str] | None) -> list[str]
             "of its 3-D parameters); use ep=1, or name them in Plan.ep_plan"
         )
     return found
+
+
+def experts_in(model: nn.Module) -> dict[str, int]:
+    """Path -> number of experts of every experts module of `model` (empty: a dense model),
+    found as `find_experts` finds them unnamed; for the planner, which asks of any model."""
+    return {
+        path: count
+        for path, module in model.named_modules()
+        if _experts_call(module) and (count := _count(module))
+    }
 
 
 def _experts_call(module: nn.Module) -> bool:
@@ -82,9 +94,19 @@ def _experts_call(module: nn.Module) -> bool:
 
 
 def _count(module: nn.Module) -> int | None:
-    """The number of experts: the shared dim 0 of the module's 3-D parameters (None: none)."""
+    """The number of experts: the shared dim 0 of the module's 3-D parameters, or the length
+    of its one ModuleList (None: neither)."""
     counts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
-    return counts.pop() if len(counts) == 1 else None
+    if len(counts) == 1:
+        return counts.pop()
+    listed = _listed(module)
+    return len(getattr(module, listed)) if listed is not None else None
+
+
+def _listed(module: nn.Module) -> str | None:
+    """The name of the module's one ModuleList child (experts as modules), if it has one."""
+    lists = [name for name, child in module.named_children() if isinstance(child, nn.ModuleList)]
+    return lists[0] if len(lists) == 1 else None
 
 
 def split_experts(
@@ -101,8 +123,9 @@ def split_experts(
         experts = _count(module)
         if experts is None:
             raise PlanError(
-                f"{path} ({type(module).__name__}) holds no 3-D parameters with the experts "
-                "along dim 0; name only fused experts modules in Plan.ep_plan"
+                f"{path} ({type(module).__name__}) holds neither 3-D parameters with the "
+                "experts along dim 0 nor one ModuleList of experts; name only experts modules "
+                "in Plan.ep_plan"
             )
         if experts % ranks:
             raise PlanError(
@@ -112,23 +135,33 @@ def split_experts(
         per_rank = experts // ranks
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         names = []
+        listed = None if any(p.dim() == 3 for p in module.parameters(False)) else _listed(module)
+        if listed is not None:  # others' experts become empty places: names stay global
+            whole = getattr(module, listed)
+            setattr(module, listed, nn.ModuleList(_mine_or_empty(whole, mine)))
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dim() >= 1 and param.shape[0] == experts:
                 kept = nn.Parameter(param.detach()[mine].clone(), param.requires_grad)
                 setattr(module, name, kept)
                 names.append(name)
-        if getattr(module, "num_experts", None) == experts:
+        if listed is None and getattr(module, "num_experts", None) == experts:
             setattr(module, "num_experts", per_rank)  # noqa: B010 (the module's own forward reads it)
         for name, value in (
             ("ep_group", group),
             ("ep_experts", experts),
             ("ep_capacity", capacity_factor),
+            ("ep_first", 0 if listed is None else mine.start),
             ("dropped_tokens", 0),
         ):
             setattr(module, name, value)
         module.__class__ = _expert_parallel_class(type(module))
-        splits.append(ExpertSplit(path, experts, per_rank, tuple(names)))
+        splits.append(ExpertSplit(path, experts, per_rank, tuple(names), listed))
     return splits
+
+
+def _mine_or_empty(experts: nn.ModuleList, mine: slice) -> list[nn.Module]:
+    """This rank's experts in their places, an empty module in every other's."""
+    return [e if mine.start <= i < mine.stop else nn.Identity() for i, e in enumerate(experts)]
 
 
 class ExpertParallel:
@@ -137,6 +170,9 @@ class ExpertParallel:
     ep_group: dist.ProcessGroup
     ep_experts: int
     ep_capacity: float | None
+    ep_first: int
+    """What the module's forward calls this rank's first expert: 0 when fused (the local
+    slice), its global index when the experts are a ModuleList (their places are kept)."""
     dropped_tokens: int
 
     def forward(
@@ -146,7 +182,7 @@ class ExpertParallel:
 
         def run_local(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
             ones = torch.ones(len(rows), 1, dtype=top_k_weights.dtype, device=rows.device)
-            return local_forward(rows, local.unsqueeze(-1), ones)
+            return local_forward(rows, (local + self.ep_first).unsqueeze(-1), ones)
 
         output, dropped = dispatch(
             hidden_states, top_k_index, top_k_weights, self.ep_experts, self.ep_group,
@@ -201,7 +237,8 @@ def expert_groups(mesh: Mesh, ep: int) -> ExpertGroups:
 
 
 def expert_layouts(splits: list[ExpertSplit]) -> set[str]:
-    """The state-dict names (from the model's root) split along dim 0 over ep."""
+    """The state-dict names (from the model's root) split along dim 0 over ep (experts held
+    as modules keep their names, each on the ranks that hold it)."""
     return {f"{s.path}.{name}" if s.path else name for s in splits for name in s.tensors}
 
 
@@ -219,6 +256,13 @@ def unshard_experts(
             all_gather_flat(gathered, value.contiguous(), group=group)
             value = gathered
         whole[key] = value
+    prefixes = tuple(f"{s.path}.{s.listed}." for s in splits if s.listed is not None)
+    if prefixes:  # experts as modules: each rank holds its own names; all take all
+        mine = {k: v.cpu() for k, v in whole.items() if k.startswith(prefixes)}
+        everyone: list[Any] = [None] * ranks
+        dist.all_gather_object(everyone, mine, group=group)
+        for held in everyone:
+            whole.update({k: v.to(next(iter(state.values())).device) for k, v in held.items()})
     return whole
 
 
@@ -230,4 +274,11 @@ def dropped_tokens(model: nn.Module, splits: list[ExpertSplit]) -> int:
 
 def parameters_of(model: nn.Module, splits: list[ExpertSplit]) -> list[nn.Parameter]:
     """The expert parameters this rank holds (reduced over the ranks holding the same)."""
-    return [getattr(model.get_submodule(s.path), name) for s in splits for name in s.tensors]
+    fused = [getattr(model.get_submodule(s.path), name) for s in splits for name in s.tensors]
+    listed = [
+        p
+        for s in splits
+        if s.listed is not None
+        for p in model.get_submodule(f"{s.path}.{s.listed}").parameters()
+    ]
+    return fused + listed

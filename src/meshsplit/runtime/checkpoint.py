@@ -12,7 +12,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshsplit import tensor as tp_tensor
@@ -63,16 +64,14 @@ class Training:
     data_position: dict[str, int]
     precision: Precision | None = None
     """The fp16 loss scale to save and restore with the rest (none under other precisions)."""
+    expert_names: set[str] = field(default_factory=set)
+    """State-dict names of the experts split along dim 0 over `expert_group` (Plan.ep)."""
+    expert_group: dist.ProcessGroup | None = None
 
 
 def check_plan(plan: Plan) -> None:
-    """Refuse checkpoints where the training state is not on the workers, or is split in a
-    way the checkpoint does not record (experts over ep)."""
-    if plan.ep > 1:
-        raise PlanError(
-            f"checkpoints of Plan.ep={plan.ep} are not supported yet; save full_state_dict() "
-            "(experts gathered whole) and build the next engine from it"
-        )
+    """Refuse checkpoints where the training state is not on the workers."""
+
     if plan.sync == "ps":
         raise PlanError(
             "checkpoints of sync='ps' plans are not supported: the optimizer state lives "
@@ -210,6 +209,19 @@ def _metadata(path: Path) -> Metadata:
         ) from error
 
 
+def _expert_keys(training: Training) -> set[str]:
+    """Checkpoint keys of the experts split over ep: their parameters and the optimizer
+    state shaped like them."""
+    if training.expert_group is None:
+        return set()
+    shapes = {name: t.shape for name, t in training.runner.local_state_dict().items()}
+    return {
+        key
+        for key, live in _live_tensors(training)
+        if (name := key.split("/", 2)[1]) in training.expert_names and live.shape == shapes[name]
+    }
+
+
 def _layouts(training: Training) -> dict[str, tuple[int, int]]:
     """Checkpoint key -> (dim, parts) of every tp-split model or optimizer tensor here."""
     layouts = training.layouts
@@ -254,6 +266,13 @@ def _state(training: Training) -> dict[str, Any]:
     state: dict[str, Any] = {
         key: _placed(tensor, layouts.get(key), training) for key, tensor in _live_tensors(training)
     }
+    expert_keys = _expert_keys(training)
+    if expert_keys:  # experts as DTensors sharded along dim 0 over ep: any ep reads them back
+        group = training.expert_group
+        assert group is not None
+        ep_mesh = DeviceMesh.from_group(group, training.mesh.device.type)
+        for key in expert_keys:
+            state[key] = DTensor.from_local(state[key], ep_mesh, [Shard(0)], run_check=False)
     state[f"rng/rank{dist.get_rank()}"] = torch.get_rng_state()
     scale = training.precision.loss_scale if training.precision is not None else None
     if scale is not None:  # the same on every rank

@@ -339,11 +339,15 @@ class Engine:
     def _training(self, applied: Applied | None) -> checkpoint.Training:
         """What a checkpoint sees of this engine: before the split, the whole model and no
         optimizer state."""
+        expert_names, expert_group = set(), None
         if applied is None:
             runner: Runner = LocalRunner(self.model, self.loss_fn, 1, self.precision)
             optimizer, layouts = None, {}
         else:
             runner, optimizer, layouts = applied.runner, applied.optimizer, self.shard_layouts()
+            if applied.expert_groups is not None:
+                expert_names = experts.expert_layouts(applied.expert_split)
+                expert_group = applied.expert_groups.ep
         return checkpoint.Training(
             plan=self.plan,
             mesh=self.mesh,
@@ -353,6 +357,8 @@ class Engine:
             steps=self.steps,
             data_position=self.data_position,
             precision=self.precision,
+            expert_names=expert_names,
+            expert_group=expert_group,
         )
 
     def _checkpoint_load(self, state: checkpoint.Training, path: Path) -> Path:
