@@ -86,25 +86,37 @@ def _estimate(
     timeline: bool,
 ) -> MemoryEstimate:
     rng = torch.get_rng_state()
-    measured: dict[tuple[int, int], RankEstimate] = {}
+    measured: dict[tuple[int, int, int], RankEstimate] = {}
     try:
-        for tp in range(plan.tp):
-            headers: Headers = {}
-            for pp in range(plan.pp):
-                rank = pp * plan.tp + tp
-                engine = _simulate(
-                    model, plan, rank, inputs, targets, optimizer, loss_fn, headers, timeline
-                )
-                if isinstance(engine.runner, PipelineRunner) and plan.stages is None:
-                    plan = replace(plan, stages=engine.runner.sizes, split_points=None)
-                measured[(pp, tp)] = _rank_estimate(engine, rank, pp, tp)
+        for dp in _distinct_replicas(plan):
+            for tp in range(plan.tp):
+                headers: Headers = {}
+                for pp in range(plan.pp):
+                    rank = (dp * plan.pp + pp) * plan.tp + tp
+                    engine = _simulate(
+                        model, plan, rank, inputs, targets, optimizer, loss_fn, headers, timeline
+                    )
+                    if isinstance(engine.runner, PipelineRunner) and plan.stages is None:
+                        plan = replace(plan, stages=engine.runner.sizes, split_points=None)
+                    measured[(dp, pp, tp)] = _rank_estimate(engine, rank, pp, tp)
     finally:
         torch.set_rng_state(rng)
     ranks = [
-        replace(measured[(pp, tp)], rank=rank, coordinates={"dp": dp, "pp": pp, "tp": tp})
+        replace(
+            measured.get((dp, pp, tp), measured[(0, pp, tp)]),
+            rank=rank,
+            coordinates={"dp": dp, "pp": pp, "tp": tp},
+        )
         for rank, (dp, pp, tp) in enumerate(rank_coordinates(plan))
     ]
     return MemoryEstimate(plan=plan, ranks=ranks)
+
+
+def _distinct_replicas(plan: Plan) -> range:
+    """The dp replicas whose memory can differ: under zero=1 each holds the optimizer state
+    of the whole tensors ZeroRedundancyOptimizer dealt it; otherwise replica 0 stands for all
+    (FSDP2 shards every tensor evenly)."""
+    return range(plan.dp if plan.zero == 1 else 1)
 
 
 def rank_coordinates(plan: Plan) -> Iterable[tuple[int, int, int]]:
