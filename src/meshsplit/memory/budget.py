@@ -1,9 +1,10 @@
 """Plan.memory_budget on one rank, before its first step: refuse what cannot fit, and pick
 what 'auto' recomputes so the rest does.
 
-What a rank holds for good is known exactly once the model is split; the activations per
-micro-batch in flight are measured on the example. The figures are a floor: the run enforces
-the budget (tracker.py) and `ms.estimate_memory` simulates the whole step.
+What a rank holds for good is known exactly once the model is split; the activations are
+measured on the example: the whole model's forward and backward peak (pp = 1), or a stage's
+saved bytes per micro-batch in flight. The run enforces the budget (tracker.py) and
+`ms.estimate_memory` simulates the whole step.
 Rationale: docs/internals.md#memorybudgetpy
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshsplit.memory.recompute import BlockProfile, choose_blocks
+from meshsplit.memory.recompute import BlockCost, BlockProfile, choose_blocks
 from meshsplit.memory.report import optimizer_bytes
 from meshsplit.memory.tracker import Holders, LiveTensors, describe_breakdown, format_bytes
 from meshsplit.plan import PlanError
@@ -111,6 +112,11 @@ class RankBudget:
         return {**asdict(self), "need_bytes": self.need_bytes}
 
 
+PEAK_MARGIN = 0.05
+"""Room kept between a measured backward peak and the budget: a step's live bytes vary by a
+few percent from the profiled pass (communication temporaries, allocation order)."""
+
+
 def fit_budget(
     *,
     where: str,
@@ -121,14 +127,17 @@ def fit_budget(
     local_blocks: Sequence[str],
     in_flight: int,
     auto: bool,
+    weight_copy_bytes: int = 0,
     refuse: bool = True,
 ) -> RankBudget:
     """Refuse a rank whose lasting state alone passes its budget; under 'auto' choose the
-    blocks whose recompute brings the activations under it, or refuse if none can
+    blocks whose recompute brings its peak under it, or refuse, naming the budget that fits
     (`refuse=False`: say what is needed instead, recomputing all that helps).
 
-    Backward's working set is taken as one block's saved tensors (rematerialised when it
-    recomputes) plus twice the model's output (the loss's input and its gradient).
+    With the whole model here and one micro-batch in flight the peak is the profile's
+    measured forward and backward; a pipeline stage's is its saved tensors per micro-batch in
+    flight plus one block's and twice the model's output (the loss's input and gradient).
+    `weight_copy_bytes`: autocast's low-precision copies of the weights, alive in a step.
     """
     held = sum(static.values())
     if refuse and held + optimizer_step_bytes > budget_bytes:
@@ -140,12 +149,24 @@ def fit_budget(
             "the optimizer state (zero=True) or raise the budget"
         )
     blocks = [b for b in profile.blocks if b.name in local_blocks] if profile else []
-    saved = in_flight * sum(b.saved_bytes for b in blocks)
-    working = max((b.saved_bytes for b in blocks), default=0)
-    working += 2 * (profile.output_bytes if profile else 0)
-    chosen = choose_blocks(blocks, in_flight, held + saved + working - budget_bytes) if auto else []
+    estimate: _MeasuredPeak | _StagePeak
+    chosen: list[str] = []
+    if (
+        profile is not None
+        and profile.kept
+        and in_flight == 1
+        and len(blocks) == len(profile.blocks)
+    ):
+        estimate = _MeasuredPeak(profile, held, weight_copy_bytes)
+        if auto:
+            chosen = _choose(estimate, blocks, budget_bytes)
+    else:
+        estimate = _StagePeak(blocks, profile, held, in_flight)
+        if auto:
+            room = int(budget_bytes / (1 + PEAK_MARGIN))
+            chosen = choose_blocks(blocks, in_flight, estimate.need([]) - room)
     picked = [b for b in blocks if b.name in chosen]
-    activations = saved - in_flight * sum(b.saving_bytes for b in picked)
+    activations, working = estimate.parts(chosen)
     result = RankBudget(
         budget_bytes=budget_bytes,
         static=static,
@@ -155,13 +176,85 @@ def fit_budget(
         recompute=chosen,
         added_forward_ms=sum(b.forward_ms for b in picked),
     )
-    if refuse and auto and result.need_bytes > budget_bytes:
+    if refuse and auto and _with_margin(result.need_bytes) > budget_bytes:
+        fitting = -(-_with_margin(result.need_bytes) // 1024)
         raise PlanError(
             f"{where} needs {format_bytes(result.need_bytes)} even with recompute='auto' "
             f"recomputing all {len(chosen)} blocks that save anything "
             f"({describe_breakdown(static)}, activations {format_bytes(activations)} for "
             f"{in_flight} micro-batches in flight, backward working set "
             f"{format_bytes(working)}), over Plan.memory_budget {format_bytes(budget_bytes)}; "
-            "use more micro-batches, a larger pp or tp, or raise the budget"
+            f"memory_budget='{fitting}KiB' fits ({PEAK_MARGIN:.0%} kept for the run's "
+            "variation), or use more micro-batches, a larger pp or tp"
         )
     return result
+
+
+def _with_margin(need_bytes: int) -> int:
+    return int(need_bytes * (1 + PEAK_MARGIN))
+
+
+class _MeasuredPeak:
+    """The whole model's peak when some blocks recompute: the lasting state, the profile's
+    measured forward and backward, a loss's float32 copies of the output, weight copies."""
+
+    def __init__(self, profile: BlockProfile, held: int, weight_copy_bytes: int) -> None:
+        self.profile, self.held, self.weight_copies = profile, held, weight_copy_bytes
+        self.loss = 2 * 4 * profile.output_elements
+
+    def frees(self, block: BlockCost) -> int:
+        return self.profile.frees.get(block.name, 0)
+
+    def parts(self, chosen: Sequence[str]) -> tuple[int, int]:
+        return self.profile.peak_bytes(chosen, self.loss), self.weight_copies
+
+    def need(self, chosen: Sequence[str]) -> int:
+        return self.held + sum(self.parts(chosen))
+
+
+class _StagePeak:
+    """A pipeline stage's peak: saved tensors of the micro-batches in flight, one block's
+    rematerialised and the model's output twice (the loss's input and its gradient)."""
+
+    def __init__(
+        self, blocks: Sequence[BlockCost], profile: BlockProfile | None, held: int, in_flight: int
+    ) -> None:
+        self.blocks, self.held, self.in_flight = blocks, held, in_flight
+        self.working = max((b.saved_bytes for b in blocks), default=0)
+        self.working += 2 * (profile.output_bytes if profile else 0)
+
+    def parts(self, chosen: Sequence[str]) -> tuple[int, int]:
+        saved = sum(b.input_bytes if b.name in chosen else b.saved_bytes for b in self.blocks)
+        return self.in_flight * saved, self.working
+
+    def need(self, chosen: Sequence[str]) -> int:
+        return self.held + sum(self.parts(chosen))
+
+
+def _choose(estimate: _MeasuredPeak, blocks: Sequence[BlockCost], budget_bytes: int) -> list[str]:
+    """Add the block that lowers the need most per millisecond of forward until it fits (all
+    that free anything when none do), then drop the slowest ones it fits without."""
+
+    def fits(chosen: list[str]) -> bool:
+        return _with_margin(estimate.need(chosen)) <= budget_bytes
+
+    remaining = [b for b in blocks if estimate.frees(b) > 0]
+    chosen: list[str] = []
+    while remaining and not fits(chosen):
+        need = estimate.need(chosen)
+        best = max(
+            remaining,
+            key=lambda b: (
+                (need - estimate.need([*chosen, b.name])) / max(b.forward_ms, 1e-3),
+                estimate.frees(b),
+            ),
+        )
+        chosen.append(best.name)
+        remaining.remove(best)
+    if not fits(chosen):
+        return chosen
+    for block in sorted(blocks, key=lambda b: -b.forward_ms):
+        fewer = [name for name in chosen if name != block.name]
+        if block.name in chosen and fits(fewer):
+            chosen = fewer
+    return chosen

@@ -122,9 +122,10 @@ def apply_plan(
             experts = split_experts(model, found, groups.ep, plan.capacity_factor)
         # What each block saves, measured on the whole model before the layer split cuts it
         # (recompute='auto' chooses from it in step 7).
-        profile = (
-            recompute.measure_blocks(model, blocks, example) if plan.chooses_recompute else None
-        )
+        with precision.autocast():  # what each block saves under the plan's precision
+            profile = (
+                recompute.measure_blocks(model, blocks, example) if plan.chooses_recompute else None
+            )
         # 4. Layer split: this rank's stage of a profile-balanced pipeline, or the whole model.
         if plan.pp > 1:
             runner = PipelineRunner(model, mesh, plan, loss_fn, example, precision)

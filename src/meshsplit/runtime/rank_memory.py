@@ -34,6 +34,7 @@ from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.pipeline.runner import PipelineRunner
 from meshsplit.pipeline.schedules import max_in_flight, schedule
 from meshsplit.plan import Plan, PlanError
+from meshsplit.precision import AUTOCAST_DTYPES
 from meshsplit.runtime.runner import Runner
 from meshsplit.tensor.collectives import staging
 
@@ -163,7 +164,11 @@ class RankMemory:
             return
         tp_staging = staging(self.mesh.group("tp"))
         holders: Holders = {
-            "parameters": lambda: map(local_tensor, runner.local_state_dict().values()),
+            # the tensors themselves, not a state dict: FSDP2's state-dict hook reshards
+            # every unit, which mid-step would gather them all again for backward
+            "parameters": lambda: map(
+                local_tensor, [*runner.parameters(), *runner.module.buffers()]
+            ),
             "gradients": sync.gradient_tensors,
             "optimizer": lambda: optimizer_tensors(optimizer),
             "buffers": lambda: [*runner.communication_buffers(), *tp_staging.buffers],
@@ -197,6 +202,8 @@ def _fit(
             schedule(plan.schedule, plan.pp, plan.micro_batches)[mesh.rank("pp")]
         )
     held = [local_tensor(p) for p in runner.parameters()]  # a sharded parameter: its shard
+    low = AUTOCAST_DTYPES[plan.precision]
+    copies = 0 if low is None else tensor_bytes(held) * low.itemsize // 4
     need = optimizer_need(make_optimizer, held, plan.dp if plan.zero == 1 else 1)
     return fit_budget(
         where=f"rank {dist.get_rank()} ({plan.describe()})",
@@ -211,5 +218,6 @@ def _fit(
         local_blocks=mine,
         in_flight=in_flight,
         auto=plan.recompute == "auto",
+        weight_copy_bytes=copies,
         refuse=refuse,
     )
