@@ -2,7 +2,8 @@
 
 An ep rank holds 1/ep of each experts module, and the dp ranks that hold the same experts
 (dp / ep of them) each saw their own tokens for them: expert gradients are summed over that
-smaller group, every other gradient over dp as without experts. Two syncs, one interface.
+smaller group, every other gradient over dp as without experts (in buckets, or sharded by
+ZeRO 2/3 with the experts left out of its units). Two syncs, one interface.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import torch
 
 from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
+from meshsplit.data_parallel.zero import ShardedGradients
+
+Part = GradientSync | LocalGradients | ShardedGradients
+"""A sync of some of the parameters."""
 
 __all__: list[str] = []
 
@@ -17,9 +22,7 @@ __all__: list[str] = []
 class WithExperts:
     """The dense parameters' sync and the experts' sync, stepped together."""
 
-    def __init__(
-        self, dense: GradientSync | LocalGradients, experts: GradientSync | LocalGradients
-    ) -> None:
+    def __init__(self, dense: Part | WithExperts, experts: Part) -> None:
         self.dense = dense
         self.experts = experts
 

@@ -149,6 +149,7 @@ def training_state(
         optimizer = ps.ServerOptimizer(parameters(), client)
         return TrainingState(client, optimizer, ps.stateless_optimizer, False)
     if plan.zero >= 2:
+        expert_params = experts.parameters if experts is not None else []
         sharded = shard_state(
             module,
             units.names,
@@ -158,10 +159,15 @@ def training_state(
             reduce_dtype=reduce_dtype,
             root_runs=units.root_runs,
             keep_whole=units.keep_whole,
+            ignored=expert_params,
         )
-        return TrainingState(sharded, make_optimizer(parameters()), make_optimizer, True)
+        sync: Sync = sharded
+        if experts is not None:  # experts whole on their ep rank, summed over their group
+            own = _sync(experts.parameters, experts.same_experts, plan, reduce_dtype)
+            sync = WithExperts(sharded, own)
+        return TrainingState(sync, make_optimizer(parameters()), make_optimizer, True)
     params = list(parameters())
-    if experts is not None:  # Plan.ep > 1, which takes no ZeRO
+    if experts is not None:  # Plan.ep > 1 without ZeRO (ZeRO 1 does not take ep)
         held = {id(p) for p in experts.parameters}
         dense = [p for p in params if id(p) not in held]
         split = WithExperts(

@@ -58,6 +58,7 @@ def shard_state(
     bucket_mb: float,
     reduce_dtype: torch.dtype | None = None,
     keep_whole: Iterable[nn.Parameter] = (),
+    ignored: Iterable[nn.Parameter] = (),
 ) -> ShardedGradients:
     """ZeRO stages 2 and 3 on FSDP2: each unit of `module` (a block, a pipeline item) is
     `fully_shard`ed over the dp `group`, so each rank holds 1/dp of its parameters, gradients
@@ -73,16 +74,23 @@ def shard_state(
     takes the parameters no unit took, else they stay whole and all-reduce in buckets.
     Gradients are reduced in `reduce_dtype` (None: their own); parameters are gathered in
     theirs (fp32 master weights: mixed precision is the autocast's, as without sharding).
+    `ignored` parameters (experts split over ep, synced over their own group) stay as they
+    are, inside units or not, and out of the buckets.
     """
     mesh = DeviceMesh.from_group(group, _device_type(module))
     reshard = stage == 3
     kept_whole = {id(p) for p in keep_whole}
+    left_alone = set(ignored)
     wrapped = _exclusive(module, units, kept_whole)
     if root_runs:  # small units ride with the root: a gather each costs more than it saves
         wrapped = [*_large(module, wrapped), ""]
     taken: set[int] = set()
     for name in wrapped:  # all checked before any is sharded: a refusal leaves the model as it was
-        unit = [p for p in module.get_submodule(name).parameters() if id(p) not in taken]
+        unit = [
+            p
+            for p in module.get_submodule(name).parameters()
+            if id(p) not in taken and p not in left_alone
+        ]
         _check_gatherable(unit, name, stage)
         taken |= {id(p) for p in unit}
     # the whole model's last block runs backward right after its forward, and the root (the
@@ -95,6 +103,7 @@ def shard_state(
             mesh=mesh,
             reshard_after_forward=reshard and name not in kept_gathered,
             mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+            ignored_params=left_alone or None,
         )
     reduction = _AllReduceScatter(overlaps=reduce_dtype is None)
     for sub in module.modules():
@@ -112,7 +121,7 @@ def shard_state(
             if isinstance(sub, FSDPModule):
                 sub.set_custom_all_gather(_AsyncAllGather())
                 sub.set_custom_reduce_scatter(reduction)
-    whole = [p for p in module.parameters() if not isinstance(p, DTensor)]
+    whole = [p for p in module.parameters() if not isinstance(p, DTensor) and p not in left_alone]
     return ShardedGradients(
         module, GradientSync(whole, group, bucket_mb, reduce_dtype=reduce_dtype), reduction
     )
