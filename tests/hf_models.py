@@ -161,8 +161,11 @@ MORE: dict[str, Callable[[], nn.Module]] = {
                 d_kv=8,
                 d_ff=64,
                 num_layers=2,
+                num_decoder_layers=2,
                 num_heads=4,
                 dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
             )  # fmt: skip
         )
     ),

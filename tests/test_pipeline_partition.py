@@ -8,7 +8,7 @@ import random
 import pytest
 
 import meshsplit as ms
-from meshsplit.pipeline.partition import balance, check_split, stage_costs
+from meshsplit.pipeline.partition import SLACK, balance, check_split, stage_costs
 
 
 def _brute_force(costs: list[float], stages: int, anchors: list[bool] | None = None) -> float:
@@ -58,6 +58,32 @@ def test_balance_with_anchors_is_optimal_and_gives_each_stage_one(seed: int) -> 
 def test_ties_on_the_slowest_stage_are_broken_evenly() -> None:
     # the 10 decides the maximum; the other layers still spread over the other stages
     assert balance([10, 1, 1, 1, 1, 1, 1], 3) == (1, 3, 3)
+
+
+def test_near_equal_timings_spread_the_weights() -> None:
+    """T5-like: the fastest split by a hair leaves one stage holding the whole encoder."""
+    costs = [0.05, 0.6, 0.5, 0.05, 0.05, 1.25, 1.3, 0.05, 0.05]
+    memory = [2, 8, 8, 0, 2, 12, 12, 0, 2]
+    assert balance(costs, 4) == (5, 1, 1, 2)
+    sizes = balance(costs, 4, memory=memory)
+    assert sizes == (2, 3, 1, 3)
+    assert max(stage_costs(costs, sizes)) <= (1 + SLACK) * max(stage_costs(costs, (5, 1, 1, 2)))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_memory_is_spread_only_within_the_slack_of_the_fastest(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(2, 8)
+    costs = [rng.uniform(0.1, 5) for _ in range(n)]
+    memory = [rng.uniform(0, 10) for _ in range(n)]
+    for stages in range(1, n + 1):
+        sizes = balance(costs, stages, memory=memory)
+        fastest = _brute_force(costs, stages)
+        assert max(stage_costs(costs, sizes)) <= (1 + SLACK) * fastest + 1e-9
+        assert (
+            max(stage_costs(memory, sizes))
+            <= max(stage_costs(memory, balance(costs, stages))) + 1e-9
+        )
 
 
 def test_balance_examples() -> None:

@@ -1,5 +1,5 @@
 """Layer split: consecutive layers as pipeline stages, micro-batches flowing through them."""
 
-from meshsplit.pipeline.frontend import split_point
+from meshsplit.pipeline.grouping import split_point
 
 __all__ = ["split_point"]

@@ -109,6 +109,16 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
                 f"{name!r} is called inside {record.nested[name]!r}; pieces must follow each "
                 "other in the model's forward; mark cuts with Plan.split_points elsewhere"
             )
+    uncalled = [n for n in names if not record.calls[n] and n.rpartition(".")[0] in lists]
+    if uncalled:
+        # its weights would sit on every stage: the split would hold no share of them
+        raise PlanError(
+            f"the blocks {uncalled[:3]}{' ...' if len(uncalled) > 3 else ''} are never called "
+            "themselves: the model's forward loops over what is inside them (a ModuleList of "
+            "(norm, layer, residual), as in x-transformers), so no cut can fall before them; "
+            "leave Plan.split_points unset to cut between them by tracing the data flow, or "
+            "mark cuts with meshsplit.pipeline.split_point(x) in forward"
+        )
     order = sorted((n for n in names if record.calls[n]), key=record.first_call.__getitem__)
     return Blocks(
         pieces=tuple(

@@ -156,7 +156,8 @@ def _from_graph(
     # pinned stages need the costs only to describe them: one timed sweep is enough
     costs = agree(profile_layers(graph, example, repeats=1 if plan.stages else 5))
     trainable = [any(p.requires_grad for p in x.module.parameters()) for x in graph.layers]
-    sizes = tuple(plan.stages or balance([c.total_ms for c in costs], plan.pp, trainable))
+    memory = [c.parameter_bytes for c in costs]
+    sizes = tuple(plan.stages or balance([c.total_ms for c in costs], plan.pp, trainable, memory))
     refuse_stages_without_parameters([x.name for x in graph.layers], trainable, sizes)
     routes = plan_routes(graph, sizes)
     starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
@@ -239,7 +240,8 @@ def _balanced(
     stages: int,
     pieces: Sequence[Piece],
 ) -> tuple[int, ...]:
-    """The profile-balanced split that cuts only where a stage may begin.
+    """The profile-balanced split (weights spread evenly among near-fastest ones) that cuts
+    only where a stage may begin.
 
     Pieces between two allowed cuts form one segment; the partitioner balances segments.
     """
@@ -254,6 +256,7 @@ def _balanced(
         [sum(c.total_ms for c in costs[a:b]) for a, b in segments],
         stages,
         [any(trainable[a:b]) for a, b in segments],
+        [sum(c.parameter_bytes for c in costs[a:b]) for a, b in segments],
     )
     starts = [sum(sizes[:k]) for k in range(stages + 1)]
     return tuple(bounds[starts[k + 1]] - bounds[starts[k]] for k in range(stages))

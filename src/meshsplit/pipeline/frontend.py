@@ -1,15 +1,15 @@
 """Any `nn.Module` as an ordered list of layers with explicit data flow between them.
 
 A layer reads named values and writes named values; the pipeline cuts only between layers.
-Three ways in, tried in order: `nn.Sequential`, `torch.fx` tracing (nodes grouped by top-level
-child or by `split_point` markers), `torch.export`. A skip connection is just a value with
-several readers, sent straight to every stage that reads it.
+Three ways in, tried in order: `nn.Sequential`, `torch.fx` tracing (nodes grouped by unit:
+a top-level child or a block inside one, see `grouping.py`; or by `split_point` markers),
+`torch.export`. A skip connection is just a value with several readers, sent straight to
+every stage that reads it.
 Rationale: docs/internals.md#pipelinefrontendpy
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,19 +19,12 @@ import torch.fx as fx
 from torch import nn
 
 from meshsplit.batchnorm import BatchNorm
+from meshsplit.pipeline.grouping import copied, groups, is_marker, split_point, units
 from meshsplit.plan import PlanError
 
-__all__ = ["split_point"]
+__all__: list[str] = []
 
 _MAX_OPAQUE_RETRIES = 32
-
-
-def split_point(x: torch.Tensor) -> torch.Tensor:
-    """Mark a place in `forward` where a pipeline stage may begin: `x = split_point(x)`.
-
-    Identity when run; under tracing, the model's layers become the segments between markers.
-    """
-    return x
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +66,16 @@ def layer_graph(model: nn.Module, example: torch.Tensor | None = None) -> LayerG
         traced, opaque = _trace_fx(model)
     except _RootUntraceable as failure:
         return _from_export(model, example, failure.reason)
-    return _from_graph(traced, source="fx" if not opaque else f"fx (opaque: {', '.join(opaque)})")
+    owners = units(model)
+    hiding = [name for name in opaque if any(o.startswith(f"{name}.") for o in owners)]
+    if hiding and example is not None:
+        # an opaque container would be one layer holding all its blocks: export may see inside
+        try:
+            return _from_export(model, example, f"fx could not trace into {', '.join(hiding)}")
+        except PlanError:
+            pass  # then the container stays one layer
+    source = "fx" if not opaque else f"fx (opaque: {', '.join(opaque)})"
+    return _from_graph(traced, owners, source=source)
 
 
 def _from_sequential(model: nn.Sequential) -> LayerGraph:
@@ -171,107 +173,12 @@ def _from_export(model: nn.Module, example: torch.Tensor | None, fx_reason: str)
     module = exported.module()
     if not isinstance(module, fx.GraphModule):
         raise PlanError(f"torch.export returned {type(module).__name__}, not a graph; {fix}")
-    return _from_graph(module, source="export")
+    return _from_graph(module, units(model), source="export")
 
 
-def _owner(node: fx.Node, children: set[str]) -> str | None:
-    """The top-level child module a node belongs to, or None for code in the root forward."""
-    if node.op in ("call_module", "get_attr"):
-        head = str(node.target).split(".")[0]
-        return head if head in children else None
-    stack = node.meta.get("nn_module_stack") or {}
-    for value in stack.values():
-        path = value[0] if isinstance(value, tuple) else str(value)
-        head = path.split(".")[0]
-        if head in children:
-            return head
-    return None
-
-
-def _is_marker(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is split_point
-
-
-def _groups(graph: fx.Graph, children: set[str]) -> list[tuple[str, list[fx.Node]]]:
-    """Consecutive runs of body nodes: one per split-point segment, else one per owner.
-
-    Parameter reads and shape reads are copied into every run that uses them (see
-    `_copied`), so each run is self-contained however the tracer ordered them.
-    """
-    body = [
-        n
-        for n in graph.nodes
-        if n.op not in ("placeholder", "output") and not _copied(n) and not _is_guard(n)
-    ]
-    runs: list[tuple[str, list[fx.Node]]] = []
-    if any(_is_marker(n) for n in body):
-        runs.append(("part0", []))
-        for node in body:
-            if _is_marker(node):
-                runs.append((f"part{len(runs)}", []))
-            else:
-                runs[-1][1].append(node)
-    else:
-        owners = [_owner(n, children) for n in body]
-        leading = next((o for o in owners if o is not None), "root")
-        for node, owner in zip(body, owners, strict=True):
-            # root-level code joins the layer before it (the first layer when it leads)
-            key = owner if owner is not None else (runs[-1][0] if runs else leading)
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append(node)
-            else:
-                runs.append((key, [node]))
-    position = {node: index for index, node in enumerate(graph.nodes)}
-    closed = [(name, _with_copies(nodes, position)) for name, nodes in runs]
-    return _unique_names([(name, nodes) for name, nodes in closed if nodes])
-
-
-def _copied(node: fx.Node) -> bool:
-    """Nodes each reader recomputes instead of receiving: parameter reads and shape reads.
-
-    A shape is a Python int, not a tensor, so it cannot travel between stages; reading it
-    again where it is needed costs nothing.
-    """
-    if node.op == "get_attr":
-        return True
-    if node.op == "call_method":
-        return node.target == "size"
-    return node.op == "call_function" and (
-        node.target is torch.ops.aten.sym_size.int
-        or (node.target is getattr and node.args[1:] == ("shape",))
-        or (node.target is operator.getitem and _copied(node.args[0]))  # type: ignore[arg-type]
-    )
-
-
-def _is_guard(node: fx.Node) -> bool:
-    """torch.export's input-shape guards: a check, not part of the data flow."""
-    return node.op == "call_module" and node.target == "_guards_fn"
-
-
-def _with_copies(nodes: list[fx.Node], position: dict[fx.Node, int]) -> list[fx.Node]:
-    """`nodes` plus the copied nodes they read (transitively), in graph order."""
-    members = set(nodes)
-    pending = list(nodes)
-    while pending:
-        for source_node in pending.pop().all_input_nodes:
-            if _copied(source_node) and source_node not in members:
-                members.add(source_node)
-                pending.append(source_node)
-    return sorted(members, key=position.__getitem__)
-
-
-def _unique_names(runs: list[tuple[str, list[fx.Node]]]) -> list[tuple[str, list[fx.Node]]]:
-    """A module called twice at separate places gives two layers: 'enc' and 'enc_2'."""
-    seen: dict[str, int] = {}
-    named = []
-    for key, nodes in runs:
-        seen[key] = seen.get(key, 0) + 1
-        named.append((key if seen[key] == 1 else f"{key}_{seen[key]}", nodes))
-    return named
-
-
-def _from_graph(traced: fx.GraphModule, *, source: str) -> LayerGraph:
-    """Cut a traced graph into layers, each a GraphModule over the original submodules."""
+def _from_graph(traced: fx.GraphModule, owners: set[str], *, source: str) -> LayerGraph:
+    """Cut a traced graph into layers (one per run of `owners`' nodes), each a GraphModule
+    over the original submodules."""
     graph = traced.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
@@ -288,27 +195,26 @@ def _from_graph(traced: fx.GraphModule, *, source: str) -> LayerGraph:
             f"the model returns {type(result).__name__}, not one tensor; the layer split needs "
             "a single tensor output for the loss; wrap the model to return one tensor"
         )
-    alias = {n: n.args[0] for n in graph.nodes if _is_marker(n)}
+    alias = {n: n.args[0] for n in graph.nodes if is_marker(n)}
 
     def resolve(node: fx.Node) -> fx.Node:
         while node in alias:
             node = alias[node]
         return node
 
-    children = {name for name, _ in traced.named_children()}
-    groups = _groups(graph, children)
+    runs = groups(graph, owners)
     final = resolve(result)
     readers: dict[fx.Node, set[int]] = {}
-    for index, (_, nodes) in enumerate(groups):
+    for index, (_, nodes) in enumerate(runs):
         for node in nodes:
             for source_node in node.all_input_nodes:
                 readers.setdefault(resolve(source_node), set()).add(index)
     layers = []
-    for index, (name, nodes) in enumerate(groups):
+    for index, (name, nodes) in enumerate(runs):
         outputs = [
             n
             for n in nodes
-            if not _copied(n)
+            if not copied(n)
             and (n is final or any(reader != index for reader in readers.get(n, ())))
         ]
         if not outputs:

@@ -6,7 +6,9 @@ the first i layers in k stages):
 
     best[k][i] = min over j < i of max(best[k-1][j], S[i] - S[j])
 
-Ties go to the smaller sum of squared stage costs. Rationale: docs/internals.md#pipelinepartitionpy
+Ties go to the smaller sum of squared stage costs. Given each layer's memory, a second pass
+of the same recurrence, over memory and limited to stages within SLACK of that optimum cost,
+spreads the weights. Rationale: docs/internals.md#pipelinepartitionpy
 """
 
 from __future__ import annotations
@@ -18,26 +20,54 @@ from meshsplit.plan import PlanError
 __all__: list[str] = []
 
 
+SLACK = 0.1
+"""How much slower than the fastest split's slowest stage a split may be when it spreads the
+parameters more evenly: profiles of small layers vary by about this much from run to run."""
+
+
 def balance(
-    costs: Sequence[float], stages: int, anchors: Sequence[bool] | None = None
+    costs: Sequence[float],
+    stages: int,
+    anchors: Sequence[bool] | None = None,
+    memory: Sequence[float] | None = None,
 ) -> tuple[int, ...]:
     """Layers per stage (contiguous, each >= 1) that minimise the largest stage cost.
 
     With `anchors`, every stage must also hold at least one anchored layer (the runner
-    anchors layers with parameters: a stage with nothing to train has no optimizer).
+    anchors layers with parameters: a stage with nothing to train has no optimizer). With
+    `memory` (per layer), the split minimises the largest stage memory among those whose
+    largest stage cost is within SLACK of the least, so near-equal timings do not leave
+    one rank holding most of the weights.
     """
     check_split(len(costs), stages)
-    n = len(costs)
-    anchors = [True] * n if anchors is None else list(anchors)
+    anchors = [True] * len(costs) if anchors is None else list(anchors)
     if sum(anchors) < stages:
         raise PlanError(
             f"Plan.pp={stages} exceeds the {sum(anchors)} layers with parameters of the model "
             f"(each stage needs one); use pp <= {sum(anchors)}"
         )
-    prefix, held = [0.0], [0]
-    for cost, anchored in zip(costs, anchors, strict=True):
-        prefix.append(prefix[-1] + cost)
+    fastest = _min_max_split(costs, stages, anchors, costs, float("inf"))
+    if memory is None:
+        return fastest
+    bound = (1 + SLACK) * max(stage_costs(costs, fastest))
+    return _min_max_split(memory, stages, anchors, costs, bound)
+
+
+def _min_max_split(
+    values: Sequence[float],
+    stages: int,
+    anchors: Sequence[bool],
+    costs: Sequence[float],
+    bound: float,
+) -> tuple[int, ...]:
+    """The contiguous split minimising the largest stage sum of `values` (ties: the smaller
+    sum of squares) among those whose every stage holds an anchor and costs at most `bound`."""
+    n = len(values)
+    prefix, held, spent = [0.0], [0], [0.0]
+    for value, anchored, cost in zip(values, anchors, costs, strict=True):
+        prefix.append(prefix[-1] + value)
         held.append(held[-1] + int(anchored))
+        spent.append(spent[-1] + cost)
     inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(stages + 1)]  # (largest stage, sum of squares)
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
@@ -46,7 +76,7 @@ def balance(
         # stage k ends after layer i; the k-1 stages before it need at least k-1 layers
         for i in range(k, n - (stages - k) + 1):
             for j in range(k - 1, i):
-                if held[i] == held[j]:
+                if held[i] == held[j] or spent[i] - spent[j] > bound:
                     continue
                 largest, squares = best[k - 1][j]
                 stage = prefix[i] - prefix[j]

@@ -59,12 +59,12 @@ class Spine:
             first, stop = spine._range
             if index < first:
                 return piece.placeholder.make(spine._rows, spine._device)
-            if index == stop:
-                raise _Cut(tensors((args, kwargs)))
             if index == first and first > 0:
                 args, kwargs = spine._substitute(piece, (args, kwargs))
             elif spine._swapped:
                 args, kwargs = spine._resubstitute((args, kwargs))
+            if index == stop:  # what crosses is what the piece would have been called with
+                raise _Cut(tensors((args, kwargs)))
             return original(*args, **kwargs)
 
         piece.module.forward = types.MethodType(forward, piece.module)
