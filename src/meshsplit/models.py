@@ -1,4 +1,5 @@
-"""The reference models: the source documents' MLP and CNN, and a small GPT-style transformer.
+"""The reference models: the source documents' MLP and CNN, a small GPT-style transformer,
+and a Mixtral-shaped mixture of experts (the expert split's case).
 
 All are plain `nn.Sequential` stacks of named layers, so the layer split can cut between any
 two of them and the operator split finds Linear/Conv2d/attention by walking the tree.
@@ -23,11 +24,14 @@ from meshsplit import data
 __all__ = [
     "REFERENCE_NAMES",
     "Block",
+    "Experts",
+    "MoEBlock",
     "Reference",
     "SelfAttention",
     "TokenCrossEntropy",
     "cnn",
     "mlp",
+    "moe",
     "reference",
     "transformer",
 ]
@@ -140,6 +144,69 @@ def transformer(
     return nn.Sequential(OrderedDict(layers))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts fused along dim 0, called as transformers v5 calls Mixtral's: each
+    token's output is sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over its top-k e."""
+
+    def __init__(self, experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * hidden, d_model) / d_model**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, d_model, hidden) / hidden**0.5)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            answer = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out = out.index_add(0, token, answer * top_k_weights[token, slot, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block with a sparse MLP: x + attn(ln(x)), then x + experts(ln(x)) over the
+    top_k experts a linear router picks per token (weights renormalised over the top_k)."""
+
+    def __init__(self, d_model: int, n_heads: int, experts: int, hidden: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = SelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.router = nn.Linear(d_model, experts, bias=False)
+        self.experts = Experts(experts, d_model, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        tokens = self.ln2(x).reshape(-1, x.shape[-1])
+        weights, index = torch.softmax(self.router(tokens), -1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return x + self.experts(tokens, index, weights).view_as(x)
+
+
+def moe(
+    vocab_size: int = 256,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_layers: int = 2,
+    seq_len: int = 32,
+    experts: int = 8,
+    hidden: int = 128,
+    top_k: int = 2,
+) -> nn.Sequential:
+    """Small Mixtral-shaped decoder: embedding, n_layers blocks of attention and a top-2
+    router over 8 fused experts, final norm, vocab head. Token ids (N, seq_len) in."""
+    layers: list[tuple[str, nn.Module]] = [("embed", Embedding(vocab_size, d_model, seq_len))]
+    layers += [
+        (f"block{i}", MoEBlock(d_model, n_heads, experts, hidden, top_k)) for i in range(n_layers)
+    ]
+    layers += [("ln_f", nn.LayerNorm(d_model)), ("head", nn.Linear(d_model, vocab_size))]
+    return nn.Sequential(OrderedDict(layers))
+
+
 class TokenCrossEntropy(nn.Module):
     """Cross-entropy over every position: logits (N, T, V) against token ids (N, T)."""
 
@@ -152,7 +219,7 @@ class TokenCrossEntropy(nn.Module):
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 TOKEN_ROWS = {"train": 2048, "test": 512}
-"""Counting sequences in the transformer's training and test sets."""
+"""Counting sequences in the token models' training and test sets."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,7 +227,7 @@ class Reference:
     """One reference model with the loss and the data it trains on."""
 
     name: str
-    """'mlp', 'cnn' or 'transformer'."""
+    """'mlp', 'cnn', 'transformer' or 'moe'."""
     build: Callable[..., nn.Module]
     """The model's factory; with no arguments it builds the default sizes."""
     takes_tokens: bool
@@ -171,12 +238,12 @@ class Reference:
         return self.build(**sizes)
 
     def loss(self) -> nn.Module:
-        """Cross-entropy per image, or per token position for the transformer."""
+        """Cross-entropy per image, or per token position for the token models."""
         return TokenCrossEntropy() if self.takes_tokens else nn.CrossEntropyLoss()
 
     def data(self, split: str) -> Batch:
         """The learnable set of `split` ('train' or 'test'): digits for the image models;
-        counting sequences (2,048 to train, 512 to test) for the transformer."""
+        counting sequences (2,048 to train, 512 to test) for the token models."""
         if not self.takes_tokens:
             return data.digits(split)
         if split not in TOKEN_ROWS:
@@ -208,13 +275,15 @@ _REFERENCES = {
     "mlp": Reference(name="mlp", build=mlp, takes_tokens=False),
     "cnn": Reference(name="cnn", build=cnn, takes_tokens=False),
     "transformer": Reference(name="transformer", build=transformer, takes_tokens=True),
+    "moe": Reference(name="moe", build=moe, takes_tokens=True),
 }
 REFERENCE_NAMES = tuple(_REFERENCES)
 """The reference models by name, in the order the command line lists them."""
 
 
 def reference(name: str) -> Reference:
-    """The reference model `name` ('mlp', 'cnn' or 'transformer') with its loss and data."""
+    """The reference model `name` ('mlp', 'cnn', 'transformer' or 'moe') with its loss and
+    data."""
     if name not in _REFERENCES:
         raise ValueError(f"no reference model {name!r}; use one of {', '.join(REFERENCE_NAMES)}")
     return _REFERENCES[name]

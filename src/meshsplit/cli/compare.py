@@ -18,6 +18,7 @@ from rich.progress import Progress
 
 from meshsplit import models
 from meshsplit.cli import timeline
+from meshsplit.experts.split import experts_in
 from meshsplit.job.launch import WorkerError, launch
 from meshsplit.job.traffic import count_traffic
 from meshsplit.plan import Plan, PlanError, divisors
@@ -43,7 +44,7 @@ class CompareConfig:
     """What every plan runs: the same model, data, optimizer and number of steps."""
 
     model: str
-    """Reference model name: mlp, cnn or transformer."""
+    """Reference model name: mlp, cnn, transformer or moe."""
     devices: int
     """Worker processes every plan uses."""
     steps: int = 6
@@ -74,22 +75,27 @@ class CompareConfig:
 
 
 def candidate_plans(config: CompareConfig) -> list[Plan]:
-    """Every dp x pp x tp that multiplies to `devices`: pure splits first, then hybrids."""
+    """Every dp x pp x tp that multiplies to `devices`, and for a model with experts every
+    ep dividing dp and the experts: pure splits first, then hybrids."""
+    experts = list(experts_in(_model(config)).values())
     plans = []
     for dp in divisors(config.devices):
+        widths = [e for e in divisors(dp) if all(n % e == 0 for n in experts)] if experts else [1]
         for pp in divisors(config.devices // dp):
             tp = config.devices // (dp * pp)
             micro_batches = config.micro_batches if pp > 1 else 1
-            plans.append(
+            plans += [
                 config.plan(
                     dp=dp,
                     pp=pp,
                     tp=tp,
+                    ep=ep,
                     micro_batches=micro_batches,
                     memory_budget=config.memory_budget,
                 )
-            )
-    plans.sort(key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp)), -p.dp, -p.pp))
+                for ep in widths
+            ]
+    plans.sort(key=lambda p: (sum(n > 1 for n in (p.dp, p.pp, p.tp, p.ep)), -p.dp, -p.pp, p.ep))
     if config.include_ps:
         plans += [
             config.plan(

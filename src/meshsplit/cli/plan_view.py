@@ -24,6 +24,7 @@ _COLUMNS = (
     ("communication_tp", "tp comm"),
     ("communication_pp", "pp comm"),
     ("communication_dp", "dp comm"),
+    ("communication_ep", "ep comm"),
     ("bubble", "bubble"),
     ("optimizer", "optim"),
     ("sharing", "shared cores"),

@@ -182,6 +182,9 @@ def _operation(
     if op == "reduce_scatter":
         shard = torch.empty(numel // world, device=device)
         return lambda: reduce_scatter_flat(shard, payload)
+    if op == "all_to_all":
+        received = torch.empty(numel, device=device)
+        return lambda: dist.all_to_all_single(received, payload)
     if op == "send_recv":
         return lambda: _send_recv(payload, rank)
     raise ValueError(f"no timing for operation {op!r}; operations: {OPERATIONS}")

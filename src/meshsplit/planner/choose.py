@@ -42,7 +42,7 @@ class PlanRow:
     peak_bytes: list[int]
     """Predicted peak live tensor bytes per global rank."""
     terms: dict[str, float]
-    """compute, recompute, communication_tp/pp/dp, bubble, optimizer, sharing, overhead."""
+    """compute, recompute, communication_tp/pp/dp/ep, bubble, optimizer, sharing, overhead."""
     reason: str | None
     """Why it lost to the best plan (None for the best)."""
     memory_source: str

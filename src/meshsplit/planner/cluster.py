@@ -77,7 +77,8 @@ class Cluster:
         B = bytes_per_s * link_efficiency and the payload as `traffic.py` counts it:
         all_reduce of S bytes 2(n-1)·alpha + 2(n-1)/n·S/B; reduce_scatter of input S
         (n-1)·alpha + (n-1)/n·S/B; all_gather of a shard S (n-1)·alpha + (n-1)·S/B;
-        send_recv alpha + S/B. Compute runs at peak(dtype) * matmul_efficiency.
+        all_to_all of S (pairwise: S/n to each peer) like reduce_scatter; send_recv
+        alpha + S/B. Compute runs at peak(dtype) * matmul_efficiency.
         `group_sizes` default: powers of two up to 4096 and devices_per_node.
         """
         sizes = group_sizes or tuple(sorted({2**k for k in range(1, 13)} | {self.devices_per_node}))
@@ -94,6 +95,7 @@ class Cluster:
                 alpha_s=(n - 1) * alpha, bytes_per_s=rate * n / (n - 1)
             )
             links["all_gather"][n] = Link(alpha_s=(n - 1) * alpha, bytes_per_s=rate / (n - 1))
+            links["all_to_all"][n] = links["reduce_scatter"][n]
             links["send_recv"][n] = Link(alpha_s=alpha, bytes_per_s=rate)
         return Machine(
             name=self.name,

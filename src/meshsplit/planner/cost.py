@@ -7,12 +7,13 @@ traffic, the optimizer and cores shared by the workers then lengthen. `terms` sp
 into what the busiest rank spends. Precision is priced where it acts: compute, saved
 activations and tp traffic are the workload's, measured under the plan's autocast; stage
 messages travel in the wire dtype (2 bytes per floating value under mixed precision) and
-the dp gradient reduce in Plan.reduce_dtype. Rationale: docs/internals.md#plannercostpy
+the dp gradient reduce in Plan.reduce_dtype (`dp_cost.py`). Under Plan.ep a rank holds 1/ep
+of the experts and its experts layers dispatch by all-to-all (`expert_cost.py`).
+Rationale: docs/internals.md#plannercostpy
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,9 +22,10 @@ from meshsplit.pipeline.p2p import wire_dtype
 from meshsplit.pipeline.partition import balance
 from meshsplit.pipeline.schedules import Action, max_in_flight, schedule
 from meshsplit.plan import Plan
+from meshsplit.planner.dp_cost import dp_bytes, dp_s, reduce_share
+from meshsplit.planner.expert_cost import dispatch_bytes, dispatch_s, held_expert_bytes
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.workload import Item, Traffic, Workload
-from meshsplit.precision import REDUCE_DTYPES
 
 __all__: list[str] = []
 
@@ -33,6 +35,7 @@ TERMS = (
     "communication_tp",
     "communication_pp",
     "communication_dp",
+    "communication_ep",
     "bubble",
     "optimizer",
     "sharing",
@@ -64,7 +67,7 @@ class Prediction:
     memory_bytes: tuple[int, ...]
     """Modelled peak live bytes per stage (every dp and tp rank of a stage alike)."""
     bytes_per_step: dict[str, float]
-    """Payload one rank of the slowest stage sends per step, per axis (tp, pp, dp)."""
+    """Payload one rank of the slowest stage sends per step, per axis (tp, pp, dp, ep)."""
     critical_stage: int
     intervals: tuple[Interval, ...] = field(default=(), repr=False)
 
@@ -129,13 +132,20 @@ class _Stage:
     backward_s: float = 0.0
     tp_forward_s: float = 0.0
     tp_backward_s: float = 0.0
+    ep_forward_s: float = 0.0
+    ep_backward_s: float = 0.0
     recompute_s: float = 0.0
     send_s: float = 0.0
     """One boundary message to the next stage (activation forward, same bytes back)."""
     reduced_bytes: float = 0.0
-    """The trainable gradients as the dp reduce sends them (in Plan.reduce_dtype)."""
+    """The dense trainable gradients as the dp reduce sends them (in Plan.reduce_dtype)."""
+    expert_reduced_bytes: float = 0.0
+    """This rank's expert gradients as the reduce over dp / ep sends them."""
     parameter_bytes: int = 0
+    """What this rank holds: the dense parameters and 1/ep of the experts."""
     trainable_bytes: int = 0
+    expert_trainable_bytes: int = 0
+    """Of trainable_bytes, this rank's share of the experts (their gradients sum over dp / ep)."""
     saved_bytes: float = 0.0
     input_bytes: float = 0.0
     """The activation from the previous stage, as it arrives (in the wire dtype)."""
@@ -143,16 +153,26 @@ class _Stage:
     largest_unit_bytes: int = 0
     """The parameters of the stage's largest item: what zero 3 holds gathered at a time."""
     tp_bytes: float = 0.0
+    ep_bytes: float = 0.0
     send_bytes: float = 0.0
     """The activation to the next stage, as it travels (in the wire dtype)."""
 
     @property
     def f(self) -> float:
-        return self.forward_s + self.tp_forward_s
+        return self.forward_s + self.tp_forward_s + self.ep_forward_s
 
     @property
     def b(self) -> float:
-        return self.backward_s + self.tp_backward_s + self.recompute_s
+        return self.backward_s + self.tp_backward_s + self.ep_backward_s + self.recompute_s
+
+    def gradients(self) -> dict[str, float]:
+        """What the dp gradient sync moves of this stage, as `dp_cost.py` takes it."""
+        return {
+            "reduced": self.reduced_bytes,
+            "expert_reduced": self.expert_reduced_bytes,
+            "trainable": self.trainable_bytes,
+            "parameters": self.parameter_bytes,
+        }
 
 
 def _stages(
@@ -174,22 +194,30 @@ def _stages(
             stage.tp_bytes += rows * sum(
                 t.bytes_per_row for t in (*item.forward_traffic, *item.backward_traffic)
             )
-            stage.parameter_bytes += item.parameter_bytes
-            stage.trainable_bytes += item.parameter_bytes if item.trainable else 0
-            stage.largest_unit_bytes = max(stage.largest_unit_bytes, item.parameter_bytes)
+            stage.ep_forward_s += dispatch_s(machine, item, rows, plan, stretch, backward=False)
+            stage.ep_backward_s += dispatch_s(machine, item, rows, plan, stretch, backward=True)
+            stage.ep_bytes += dispatch_bytes(item, rows, plan)
+            experts = held_expert_bytes(item, plan)
+            held = item.parameter_bytes - item.expert_bytes + experts
+            stage.parameter_bytes += held
+            stage.trainable_bytes += held if item.trainable else 0
+            stage.expert_trainable_bytes += experts if item.trainable else 0
+            stage.largest_unit_bytes = max(stage.largest_unit_bytes, held)
             stage.saved_bytes += item.saved_bytes_per_row * rows
             stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
         if s == plan.pp - 1:
             stage.forward_s += workload.loss_forward.at(rows)
             stage.backward_s += workload.loss_backward.at(rows)
         if recomputes(plan.recompute, s, plan.pp):
-            stage.recompute_s = stage.forward_s + stage.tp_forward_s
+            stage.recompute_s = stage.forward_s + stage.tp_forward_s + stage.ep_forward_s
         if s > 0:
             stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
         if s < plan.pp - 1:
             stage.send_bytes = _message_bytes(run[-1], plan) * rows
             stage.send_s = _message_s(machine, plan, stage.send_bytes)
-        stage.reduced_bytes = stage.trainable_bytes * _reduce_share(plan)
+        dense = stage.trainable_bytes - stage.expert_trainable_bytes
+        stage.reduced_bytes = dense * reduce_share(plan)
+        stage.expert_reduced_bytes = stage.expert_trainable_bytes * reduce_share(plan)
         stages.append(stage)
     return stages
 
@@ -202,12 +230,6 @@ def _message_bytes(item: Item, plan: Plan) -> float:
     if item.compact_output_bytes_per_row is None:
         return item.output_bytes_per_row / 2
     return item.compact_output_bytes_per_row
-
-
-def _reduce_share(plan: Plan) -> float:
-    """Bytes the dp gradient reduce moves per byte of (fp32) gradient: Plan.reduce_dtype's."""
-    dtype = REDUCE_DTYPES[plan.reduce_dtype]
-    return 1.0 if dtype is None else dtype.itemsize / 4
 
 
 def simulate_pipeline(
@@ -252,38 +274,6 @@ def simulate_pipeline(
     return intervals
 
 
-def dp_exposed_s(machine: Machine, plan: Plan, nbytes: float, overlap_s: float) -> float:
-    """What the all-reduce of `nbytes` of gradients over dp adds after backward.
-
-    Buckets of plan.bucket_mb start as the last backward fills them, so all but what the
-    backward of `overlap_s` hides is exposed, and at least the last bucket always is.
-    """
-    if plan.dp <= 1 or nbytes <= 0:
-        return 0.0
-    link = machine.link("all_reduce", plan.dp)
-    bucket = plan.bucket_mb * 2**20
-    total = math.ceil(nbytes / bucket) * link.alpha_s + nbytes / link.bytes_per_s
-    last = link.alpha_s + min(nbytes, bucket) / link.bytes_per_s
-    return max(total - overlap_s, last)
-
-
-def _dp_s(machine: Machine, plan: Plan, st: _Stage, overlap: float) -> float:
-    """Seconds stage `st`'s dp traffic adds under `plan.zero` (docs/internals.md#plannercostpy)."""
-    if plan.dp <= 1:
-        return 0.0
-    if plan.zero <= 1:
-        exposed = dp_exposed_s(machine, plan, st.reduced_bytes, overlap * st.b)
-        if plan.zero:
-            exposed += machine.seconds("all_gather", plan.dp, st.trainable_bytes / plan.dp)
-        return exposed
-    m = plan.micro_batches
-    gathers = m * (2 if plan.zero == 3 else 1)
-    gather_s = machine.seconds("all_gather", plan.dp, st.parameter_bytes / plan.dp)
-    scatter_s = machine.seconds("reduce_scatter", plan.dp, st.reduced_bytes)
-    hidden = overlap * st.b * (m - 1) / m  # the last micro-batch's scatter is exposed
-    return gathers * gather_s + max(m * scatter_s - hidden, scatter_s)
-
-
 def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     """Step time, its terms and per-stage memory of `plan` (tp must be a measured width,
     and the workload measured under the plan's precision)."""
@@ -308,7 +298,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     overlap = 0.0 if machine.cores is not None and plan.world_size >= machine.cores else 1.0
     totals = []
     for s, st in enumerate(stages):
-        dp_exposed = _dp_s(machine, plan, st, overlap)
+        dp_exposed = dp_s(machine, plan, overlap_s=overlap * st.b, **st.gradients())
         shard = plan.dp if plan.zero else 1
         optimizer = workload.optimizer_s_per_byte * st.trainable_bytes / shard
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
@@ -331,6 +321,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         "communication_tp": m * (st.tp_forward_s + st.tp_backward_s),
         "communication_pp": pp_wait,
         "communication_dp": dp_exposed,
+        "communication_ep": m * (st.ep_forward_s + st.ep_backward_s),
         "bubble": max(0.0, path - workload.step_overhead_s - own),
         "optimizer": optimizer,
         "sharing": step - path,
@@ -345,25 +336,12 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         bytes_per_step={
             "tp": m * st.tp_bytes,
             "pp": 2 * m * (st.send_bytes + st.input_bytes),
-            "dp": _dp_bytes(plan, st),
+            "dp": dp_bytes(plan, **st.gradients()),
+            "ep": m * st.ep_bytes,
         },
         critical_stage=critical,
         intervals=tuple(intervals),
     )
-
-
-def _dp_bytes(plan: Plan, st: _Stage) -> float:
-    """Bytes one rank sends over dp in a step: an all-reduce moves 2(dp-1)/dp of the
-    gradients (in Plan.reduce_dtype), zero 1 then all-gathers the updated parameters; zero
-    2-3 one reduce-scatter (dp-1)/dp per micro-batch and as many all-gathers of the
-    parameters as it gathers (parameters travel in their own dtype: fp32 master weights)."""
-    if plan.dp <= 1:
-        return 0.0
-    share = (plan.dp - 1) / plan.dp
-    if plan.zero <= 1:
-        return (2 * st.reduced_bytes + (st.trainable_bytes if plan.zero else 0)) * share
-    gathers = plan.micro_batches * (2 if plan.zero == 3 else 1)
-    return plan.micro_batches * st.reduced_bytes * share + gathers * st.parameter_bytes * share
 
 
 def _memory(

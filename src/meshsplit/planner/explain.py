@@ -3,7 +3,9 @@
 The term is the one with the largest excess over the best plan's same term; the sentence
 gives that term's seconds and, for communication, the bytes behind them, e.g.
 "tp=4: 22.0 MiB of activation all-reduce over tp per step, about 41 ms, against 12 ms of
-compute saved (step 95 ms, best 60 ms)".
+compute saved (step 95 ms, best 60 ms)". Where the two plans split the experts differently
+(Plan.ep), a clause weighs the all-to-alls against the gradient all-reduce they save, or
+says what the best plan's expert split holds, sums and sends.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
             f"{format_bytes(row.bytes_per_step['dp'])} of gradient all-reduce over dp={plan.dp} "
             f"per step, {_ms(terms['communication_dp'])} of it not hidden behind backward"
         ),
+        "communication_ep": (
+            f"{format_bytes(row.bytes_per_step['ep'])} of tokens sent to their experts and "
+            f"back by all-to-all over ep={plan.ep} per step, about "
+            f"{_ms(terms['communication_ep'])}"
+        ),
         "communication_pp": (
             f"{format_bytes(row.bytes_per_step['pp'])} of activations and their gradients "
             f"between stages per step, about {_ms(terms['communication_pp'])} of waiting"
@@ -76,6 +83,34 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
         "overhead": f"the engine's own work takes {_ms(terms['overhead'])}",
     }
     return (
-        f"{plan.describe()}: {sentences[term]} "
+        f"{plan.describe()}: {sentences[term]}{_expert_split(row, best, term)} "
         f"(step {_ms(row.step_time_s)}, best {_ms(best.step_time_s)})"
     )
+
+
+def _expert_split(row: Prediction, best: Prediction, term: str) -> str:
+    """What splitting the experts more (or less) than the best plan costs and saves `row`
+    (empty: the same ep). `term` is the one the sentence already gives."""
+    ep, best_ep = row.plan.ep, best.plan.ep
+    if ep > best_ep:
+        saved = best.terms["communication_dp"] - row.terms["communication_dp"]
+        against = (
+            f"against {_ms(saved)} of gradient all-reduce saved"
+            if saved > 0
+            else "with no gradient all-reduce saved"
+        )
+        if term == "communication_ep":
+            return f", {against}"
+        return (
+            f"; its all-to-alls over ep={ep} send {format_bytes(row.bytes_per_step['ep'])} of "
+            f"tokens, about {_ms(row.terms['communication_ep'])}, {against}"
+        )
+    if ep < best_ep:
+        holders = best.plan.dp // best_ep
+        summed = f"sums their gradients over {holders} ranks" if holders > 1 else "sums none"
+        return (
+            f"; the best holds 1/{best_ep} of the experts per rank, {summed} and sends "
+            f"{format_bytes(best.bytes_per_step['ep'])} of tokens by all-to-all, about "
+            f"{_ms(best.terms['communication_ep'])}"
+        )
+    return ""

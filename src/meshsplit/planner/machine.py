@@ -15,8 +15,9 @@ from typing import Any
 
 __all__: list[str] = []
 
-OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-"""The collectives the cost model prices. send_recv: one message between two ranks."""
+OPERATIONS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""The collectives the cost model prices. all_to_all: each rank's payload split evenly over
+the group (the expert split's token dispatch); send_recv: one message between two ranks."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ For each width k, the model is split exactly as a worker splits it (rank 0 of a 
 process group of k ranks, in which collectives return at once), cut into the items the
 layer split cuts between, and profiled at two micro-batch sizes; one further forward and
 backward counts, per item, the collectives it calls over tp, the bytes autograd saves for
-it and its FLOPs. A real step of the unsplit model gives the optimizer's seconds per byte
-and the engine's own overhead per step. Under mixed precision every forward and loss runs
+it, its FLOPs and the rows its experts modules are handed (what Plan.ep would dispatch). A
+real step of the unsplit model gives the optimizer's seconds per byte and the engine's own
+overhead per step. Under mixed precision every forward and loss runs
 under the autocast a worker uses, so times, bytes and traffic are the low dtype's on this
 device. Nothing here predicts; `cost.py` does.
 """
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
+from meshsplit.experts.split import CALL, experts_in
 from meshsplit.gather import ALL_GATHER
 from meshsplit.job.traffic import count_traffic
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
@@ -90,6 +92,7 @@ def measure_workload(
         global_rows=global_rows,
         min_rows=sizes[0] if too_few else 1,
         min_rows_reason=too_few,
+        experts=tuple(experts_in(model).values()),
         **whole,
     )
 
@@ -183,6 +186,12 @@ def _items(
                 backward_flops_per_row=count.flops[1] / high,
                 forward_traffic=count.traffic(0, high),
                 backward_traffic=count.traffic(1, high),
+                expert_bytes=sum(
+                    tensor_bytes(list(part.get_submodule(path).parameters()))
+                    for path in experts_in(part)
+                ),
+                experts_calls=count.experts_calls,
+                dispatch_bytes_per_row=count.dispatch_bytes / high,
             )
         )
     engine.close()
@@ -201,6 +210,9 @@ class _Counts:
         """Bytes of the item's output tensors, as the item made them."""
         self.compact_output_bytes = 0
         """The same with floating tensors at 2 bytes each (bf16 or fp16 on the wire)."""
+        self.experts_calls = 0
+        self.dispatch_bytes = 0
+        """Bytes of the (token, slot) rows handed to the item's experts modules."""
 
     def sized(self, _: nn.Module, __: Any, output: Any) -> None:
         """A forward hook on the item: the bytes of what it made, as made and compacted."""
@@ -209,6 +221,13 @@ class _Counts:
         self.compact_output_bytes = sum(
             t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tensors
         )
+
+    def dispatched(self, _: nn.Module, args: Any, kwargs: Any, __: Any) -> None:
+        """A forward hook on an experts module: the rows ep would send, tokens x top-k."""
+        passed = [*args, *(kwargs[name] for name in CALL if name in kwargs)]
+        hidden, index = passed[0], passed[1]
+        self.experts_calls += 1
+        self.dispatch_bytes += hidden.numel() * hidden.element_size() * index.shape[-1]
 
     def compact(self, boundary_bytes: int) -> float:
         """`boundary_bytes` of the item's outputs with floating tensors at 2 bytes each."""
@@ -268,6 +287,10 @@ def _count(cuts: Cuts, engine: Engine, inputs: Any, targets: Any) -> list[_Count
             for sub in item.modules():
                 stack.enter_context(_charging(sub, index, mode))
             stack.callback(item.register_forward_hook(counts[index].sized).remove)
+            for path in experts_in(item):
+                experts = item.get_submodule(path)
+                hook = experts.register_forward_hook(counts[index].dispatched, with_kwargs=True)
+                stack.callback(hook.remove)
         stack.enter_context(count_traffic(mode))
         stack.enter_context(saved_tensors_hooks(mode.pack, lambda t: t))
         stack.enter_context(mode)

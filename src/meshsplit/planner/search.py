@@ -1,8 +1,9 @@
 """Every plan for N devices, priced and pruned: numbers in, a ranking out.
 
-The space: dp x pp x tp = N over the tp widths the model can take; micro-batches (pp, 2pp,
-4pp, ... while they divide the replica's rows; 1 without a pipeline); both schedules;
-recompute never, except the last stage, always; optimizer state whole or sharded over dp.
+The space: dp x pp x tp = N over the tp widths the model can take; for a model with experts,
+ep over every divisor of dp that divides the experts; micro-batches (pp, 2pp, 4pp, ... while
+they divide the replica's rows; 1 without a pipeline); both schedules; recompute never,
+except the last stage, always; optimizer state whole or sharded over dp (whole under ep).
 A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
 the model has fewer trainable items than stages, a layer does not split that wide) or when
 its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from meshsplit.memory.tracker import format_bytes
 from meshsplit.plan import Plan, divisors
 from meshsplit.planner.cost import Prediction, predict
+from meshsplit.planner.expert_cost import ep_widths
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.workload import Workload
 
@@ -39,10 +41,10 @@ def micro_batch_options(plan: Plan, replica_rows: int, budget: bool) -> list[int
 
 
 def _variants(plan: Plan) -> list[Plan]:
-    """Schedules, recompute and zero for one (dp, pp, tp, m)."""
+    """Schedules, recompute and zero for one (dp, pp, tp, ep, m); zero only without ep."""
     schedules = ("1f1b", "gpipe") if plan.pp > 1 else ("1f1b",)
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
-    zeros = (0, 1, 2, 3) if plan.dp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if plan.dp > 1 and plan.ep == 1 else (0,)
     return [
         replace(plan, schedule=s, recompute=c, zero=z)
         for s in schedules
@@ -84,13 +86,13 @@ def search(
                 continue
             least = None  # the smallest per-rank need of this shape, for the refusal
             for m in _runnable(workload, shape, options, replica_rows, infeasible):
-                base = replace(shape, micro_batches=m)
-                for plan in _variants(base):
-                    prediction = predict(workload, machine, plan)
-                    need = max(prediction.memory_bytes)
-                    least = need if least is None else min(least, need)
-                    if budget is None or need <= budget:
-                        rows.append(prediction)
+                for ep in [1, *ep_widths(workload, dp)]:
+                    for plan in _variants(replace(shape, micro_batches=m, ep=ep)):
+                        prediction = predict(workload, machine, plan)
+                        need = max(prediction.memory_bytes)
+                        least = need if least is None else min(least, need)
+                        if budget is None or need <= budget:
+                            rows.append(prediction)
             if budget is not None and least is not None and least > budget:
                 infeasible.append(
                     (shape, f"memory: needs at least {format_bytes(least)} per rank, over the "
@@ -126,7 +128,7 @@ def _runnable(
 def _simplicity(plan: Plan) -> tuple[int, int, int, int]:
     """Ties go to the plan with fewer moving parts."""
     return (
-        sum(n > 1 for n in (plan.dp, plan.pp, plan.tp)),
+        sum(n > 1 for n in (plan.dp, plan.pp, plan.tp, plan.ep)),
         plan.recompute != "never",
         int(plan.zero),
         plan.micro_batches,

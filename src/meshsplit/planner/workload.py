@@ -72,6 +72,14 @@ class Item:
     backward_flops_per_row: float = 0.0
     forward_traffic: tuple[Traffic, ...] = ()
     backward_traffic: tuple[Traffic, ...] = ()
+    expert_bytes: int = 0
+    """Of parameter_bytes, the experts modules': what Plan.ep divides over its ranks."""
+    experts_calls: int = 0
+    """Experts modules the item calls per forward (each dispatches its tokens under ep)."""
+    dispatch_bytes_per_row: float = 0.0
+    """Bytes of (token, top-k slot) rows the item's experts modules are handed per row,
+    summed over them: one all-to-all's payload on a rank under ep (hidden size x top-k x
+    tokens per row, in the activation dtype)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +109,8 @@ class Workload:
     channel in training)."""
     min_rows_reason: str = ""
     """What the model said at fewer rows than `min_rows`."""
+    experts: tuple[int, ...] = ()
+    """The number of experts of each experts module (empty: a dense model, no ep to try)."""
 
     @property
     def widths(self) -> list[int]:
