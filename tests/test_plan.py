@@ -19,6 +19,22 @@ import meshsplit as ms
         ({"schedule": "zigzag"}, ["Plan.schedule='zigzag'", "1f1b", "gpipe"]),
         ({"recompute": "sometimes"}, ["Plan.recompute='sometimes'", "except_last"]),
         ({"pp": 2, "stages": (3,)}, ["Plan.stages=[3]", "pp=2"]),
+        ({"pp": 2, "virtual_stages": 2}, ["Plan.virtual_stages=2", "schedule='interleaved'"]),
+        (
+            {"pp": 2, "micro_batches": 3, "schedule": "interleaved"},
+            ["micro_batches=3", "multiple of pp=2", "micro_batches=2"],
+        ),
+        (
+            {
+                "pp": 2,
+                "micro_batches": 2,
+                "schedule": "interleaved",
+                "virtual_stages": 2,
+                "stages": (1, 1),
+            },
+            ["Plan.stages=[1, 1]", "4 chunks"],
+        ),
+        ({"schedule": "zbv"}, ["Plan.schedule='zbv'", "interleaved", "zero-bubble"]),
     ],
 )
 def test_bad_fields_are_refused(fields: dict, words: list[str]) -> None:
@@ -77,6 +93,7 @@ VALID_AMONG_THEM = {  # field -> repr of the values above that are a valid form 
     "tp": ["1000000000"],
     "micro_batches": ["1000000000"],
     "stages": ["None"],
+    "virtual_stages": [],  # none alone: a number other than 1 needs schedule='interleaved'
     "split_points": ["None", "[]"],  # no cut: the pp - 1 = 0 cuts of one stage
     "tp_plan": ["None"],
     "zero": ["0", "True"],  # True means 1

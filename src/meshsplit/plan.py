@@ -6,11 +6,10 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 
-from meshsplit.plan_values import PlanError, divisors, parse_bytes
+from meshsplit.plan_values import PlanError, check_layer_split, divisors, parse_bytes
 
 __all__ = ["Plan", "PlanError", "divisors"]
 
-SCHEDULES = ("1f1b", "gpipe")
 RECOMPUTE_POLICIES = ("never", "except_last", "always", "auto")
 ZERO_STAGES = (0, 1, 2, 3)
 COMPRESSIONS = ("none", "bf16", "fp8", "int8")
@@ -37,9 +36,15 @@ class Plan:
     micro_batches: int = 1
     """Micro-batches per step on each data-parallel replica (the pipeline's unit of work)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: '1f1b' (bounded activations) or 'gpipe' (all forwards, then backwards)."""
+    """Pipeline schedule: '1f1b' (bounded activations), 'gpipe' (all forwards, then backwards),
+    'interleaved' (virtual_stages chunks per rank, a smaller bubble) or 'zero-bubble' (ZB-H1:
+    weight gradients deferred into the bubble)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank under schedule='interleaved' (rank r holds chunks r,
+    r+pp, ...); 1 otherwise."""
     stages: tuple[int, ...] | None = None
-    """Layers per pipeline stage, overriding the profile-balanced split (len == pp)."""
+    """Layers per pipeline stage (chunk, under 'interleaved'), overriding the profile-balanced
+    split (len == pp * virtual_stages)."""
     split_points: tuple[str, ...] | None = None
     """Module paths where a pipeline stage begins, e.g. ('m.model.layers.2',) for pp=2; as
     torch.distributed.pipelining's split_spec, overriding the profile-balanced split."""
@@ -118,43 +123,17 @@ class Plan:
                 raise PlanError(
                     f"Plan.{name}={value!r} must be a positive integer; use {name}=1 or more"
                 )
-        if self.schedule not in SCHEDULES:
-            raise PlanError(
-                f"Plan.schedule={self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
-            )
         if self.recompute not in RECOMPUTE_POLICIES:
             raise PlanError(
                 f"Plan.recompute={self.recompute!r} is unknown; "
                 f"use one of {', '.join(RECOMPUTE_POLICIES)}"
             )
-        if self.stages is not None:
-            stages = self.stages
-            if not isinstance(stages, list | tuple) or any(not _positive(n) for n in stages):
-                raise PlanError(
-                    f"Plan.stages={stages!r} must be a tuple of positive layer counts, one per "
-                    f"pipeline stage; e.g. stages={tuple([1] * self.pp)} or leave it None"
-                )
-            object.__setattr__(self, "stages", tuple(stages))
-            if len(stages) != self.pp:
-                raise PlanError(
-                    f"Plan.stages={list(stages)} must give a positive layer count for each of "
-                    f"pp={self.pp} stages; e.g. stages={[1] * self.pp} or leave it None"
-                )
-        if self.split_points is not None:
-            points = self.split_points
-            points = (points,) if isinstance(points, str) else points
-            if not isinstance(points, list | tuple) or not all(isinstance(n, str) for n in points):
-                raise PlanError(
-                    f"Plan.split_points={self.split_points!r} must be module paths (str) where "
-                    "a stage begins; e.g. split_points=('model.layers.2',) for pp=2"
-                )
-            object.__setattr__(self, "split_points", tuple(points))
-            if len(self.split_points) != self.pp - 1 or self.stages is not None:
-                raise PlanError(
-                    f"Plan.split_points={list(self.split_points)} must name pp-1 = {self.pp - 1} "
-                    "module paths where a stage begins, without Plan.stages; e.g. "
-                    "split_points=('model.layers.2',) for pp=2"
-                )
+        stages, points = check_layer_split(
+            self.pp, self.micro_batches, self.schedule, self.virtual_stages, self.stages,
+            self.split_points,
+        )  # fmt: skip
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "split_points", points)
         tp_plan = self.tp_plan
         if tp_plan is not None and not (
             isinstance(tp_plan, Mapping)
@@ -342,6 +321,7 @@ class Plan:
             text += f" m{self.micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}"
+            text += f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         if self.recompute != "never":
             text += f" recompute={self.recompute}"
         if self.ep > 1:
@@ -369,6 +349,7 @@ class Plan:
             "tp": self.tp,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
             "stages": list(self.stages) if self.stages else None,
             "split_points": list(self.split_points) if self.split_points else None,
             "recompute": self.recompute,

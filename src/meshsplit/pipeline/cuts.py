@@ -3,7 +3,9 @@
 A model whose depth sits in a block list below the top level (or a plan with `split_points`)
 is cut between those blocks and runs its own forward (`blocks.py`, `spine.py`); any other is
 traced into layers with named data flow (`frontend.py`), which is also the fallback when the
-blocks cannot be cut. Rationale: docs/internals.md#pipelinecutspy
+blocks cannot be cut. Under the interleaved schedule the model is cut into pp*v chunks and rank
+r holds chunks r, r+pp, ...; everything else here counts a rank's chunks together.
+Rationale: docs/internals.md#pipelinecutspy
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 
 from meshsplit.pipeline.blocks import Piece, find_blocks, has_nested_blocks, sizes_at
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
-from meshsplit.pipeline.partition import balance, check_split
+from meshsplit.pipeline.partition import balance, check_split, split_words
 from meshsplit.pipeline.profile import LayerCost, profile_layers
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
 from meshsplit.pipeline.stage import LayerProgram, Program, Routes, plan_routes
@@ -34,13 +36,17 @@ _BACKWARD_PER_FORWARD = 2.0
 
 @dataclass(frozen=True, kw_only=True)
 class Cuts:
-    """The model as consecutive items (layers or pieces), and how they are cut into stages."""
+    """The model as consecutive items (layers or pieces), and how they are cut into chunks
+    (one per rank, or v per rank when interleaved: chunk c on rank c % ranks)."""
 
     model: nn.Module
     names: tuple[str, ...]
     modules: tuple[nn.Module, ...]
     costs: tuple[LayerCost, ...]
     sizes: tuple[int, ...]
+    """Items per chunk."""
+    ranks: int
+    """Pipeline ranks (Plan.pp)."""
     routes: tuple[Routes, ...]
     output: str
     source: str
@@ -57,9 +63,17 @@ class Cuts:
     def program(self, index: int) -> Program:
         return self.programs(index)
 
-    def _held(self, index: int) -> set[int]:
-        """ids of the tensors stage `index`'s items hold."""
-        return {id(t) for i in self._span(index) for t in _tensors(self.modules[i])}
+    def chunks_of(self, rank: int) -> range:
+        """The chunks rank `rank` holds: rank, rank + ranks, ..."""
+        return range(rank, len(self.sizes), self.ranks)
+
+    def items_of(self, rank: int) -> list[int]:
+        """Indices of the items rank `rank` holds, chunk by chunk."""
+        return [i for chunk in self.chunks_of(rank) for i in self._span(chunk)]
+
+    def _held(self, rank: int) -> set[int]:
+        """ids of the tensors rank `rank`'s items hold."""
+        return {id(t) for i in self.items_of(rank) for t in _tensors(self.modules[i])}
 
     def _common(self) -> dict[str, torch.Tensor]:
         """State no item holds: the code between pieces reads it (a learned position table on
@@ -71,10 +85,10 @@ class Cuts:
             if id(t) not in held
         } | {name: p for name, p in self.model.named_parameters() if id(p) not in held}
 
-    def stage_module(self, index: int) -> nn.Module:
-        """The modules stage `index` trains, as one module (for parameters and mode)."""
+    def stage_module(self, rank: int) -> nn.Module:
+        """The modules rank `rank` trains, as one module (for parameters and mode)."""
         stage = nn.ModuleDict(
-            {self.names[i].replace(".", "/"): self.modules[i] for i in self._span(index)}
+            {self.names[i].replace(".", "/"): self.modules[i] for i in self.items_of(rank)}
         )
         common = nn.Module()
         for name, tensor in self._common().items():
@@ -84,7 +98,7 @@ class Cuts:
         return stage
 
     def local_state(self, index: int) -> dict[str, torch.Tensor]:
-        """Stage `index`'s state under the original model's names: every name of a tensor its
+        """Rank `index`'s state under the original model's names: every name of a tensor its
         items hold (an alias of a tied weight too, e.g. T5's `shared`), and the common state."""
         mine, common = self._held(index), self._common()
         return {
@@ -94,7 +108,7 @@ class Cuts:
         }
 
     def release_other_stages(self, index: int) -> None:
-        """Free the weights of other stages' items, so each rank holds only its share."""
+        """Free the weights of other ranks' items, so each rank holds only its share."""
         mine = self._held(index)
         everyone = {id(t) for module in self.modules for t in _tensors(module)}
         with torch.no_grad():
@@ -103,16 +117,16 @@ class Cuts:
                     tensor.data = tensor.data.new_empty(0)
 
     def shared_parameters(self) -> list[tuple[str, tuple[int, ...], nn.Parameter]]:
-        """(name, stages, parameter) for each parameter several stages hold: one that items of
-        several stages use (tied embeddings), and the common ones (every stage)."""
+        """(name, ranks, parameter) for each parameter several ranks hold: one that items of
+        several ranks use (tied embeddings), and the common ones (every rank)."""
         stages_of: dict[int, list[int]] = {}
-        for stage in range(len(self.sizes)):
-            for i in self._span(stage):
+        for stage in range(self.ranks):
+            for i in self.items_of(stage):
                 for param in self.modules[i].parameters():
                     holders = stages_of.setdefault(id(param), [])
                     if stage not in holders:
                         holders.append(stage)
-        every = tuple(range(len(self.sizes)))
+        every = tuple(range(self.ranks))
         common = {id(t) for t in self._common().values()}
         return [
             (name, every if id(param) in common else tuple(stages_of[id(param)]), param)
@@ -126,7 +140,8 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
-    """Cut `model` into plan.pp stages (every rank must call this: `agree` is a collective)."""
+    """Cut `model` into plan.pp stages, or pp*virtual_stages chunks when interleaved (every
+    rank must call this: `agree` is a collective)."""
     blocks_error: PlanError | None = None
     if plan.split_points is not None or has_nested_blocks(model):
         try:
@@ -141,30 +156,56 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
         if blocks_error is not None:
             raise PlanError(f"{blocks_error}; and tracing it failed: {error}") from error
         raise
-    if blocks_error is not None and len(graph.layers) < plan.pp:
+    if blocks_error is not None and len(graph.layers) < _chunks(plan):
+        label, _ = split_words(_chunks(plan), plan.virtual_stages)
         raise PlanError(
-            f"Plan.pp={plan.pp} exceeds the {len(graph.layers)} layers at the top level of "
+            f"{label} exceeds the {len(graph.layers)} layers at the top level of "
             f"{type(model).__name__}, and cutting inside it failed: {blocks_error}"
         )
-    return _from_graph(model, graph, example, plan, agree)
+    cuts = _from_graph(model, graph, example, plan, agree)
+    if plan.virtual_stages > 1:
+        refuse_skips(cuts.routes, cuts.ranks)
+    return cuts
+
+
+def _chunks(plan: Plan) -> int:
+    return plan.pp * plan.virtual_stages
+
+
+def refuse_skips(routes: Sequence[Routes], ranks: int) -> None:
+    """Interleaved chunks may send only to the next chunk: a value that skips one would go
+    between chunks of one rank, or past a rank whose schedule does not wait for it."""
+    for chunk, route in enumerate(routes):
+        for destination, names in route.sends:
+            if destination != chunk + 1:
+                raise PlanError(
+                    f"under schedule='interleaved' chunk {chunk} (rank {chunk % ranks}) would "
+                    f"send {list(names)} to chunk {destination}, past the next chunk (a skip "
+                    "connection across a cut); use schedule='1f1b' or 'zero-bubble', or cut "
+                    "elsewhere with Plan.stages"
+                )
 
 
 def _from_graph(
     model: nn.Module, graph: LayerGraph, example: Any, plan: Plan, agree: Agree
 ) -> Cuts:
-    check_split(len(graph.layers), plan.pp, plan.stages)
+    chunks = _chunks(plan)
+    check_split(len(graph.layers), chunks, plan.stages, plan.virtual_stages)
     # pinned stages need the costs only to describe them: one timed sweep is enough
     costs = agree(profile_layers(graph, example, repeats=1 if plan.stages else 5))
     trainable = [any(p.requires_grad for p in x.module.parameters()) for x in graph.layers]
     memory = [c.parameter_bytes for c in costs]
-    sizes = tuple(plan.stages or balance([c.total_ms for c in costs], plan.pp, trainable, memory))
+    sizes = tuple(
+        plan.stages
+        or balance([c.total_ms for c in costs], chunks, trainable, memory, plan.virtual_stages)
+    )
     refuse_stages_without_parameters([x.name for x in graph.layers], trainable, sizes)
     routes = plan_routes(graph, sizes)
-    starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
+    starts = [sum(sizes[:k]) for k in range(chunks + 1)]
 
     def program(index: int) -> Program:
         layers = graph.layers[starts[index] : starts[index + 1]]
-        return LayerProgram(layers, graph, routes[index], last=index == plan.pp - 1)
+        return LayerProgram(layers, graph, routes[index], last=index == chunks - 1)
 
     return Cuts(
         model=model,
@@ -172,6 +213,7 @@ def _from_graph(
         modules=tuple(x.module for x in graph.layers),
         costs=tuple(costs),
         sizes=sizes,
+        ranks=plan.pp,
         routes=tuple(routes),
         output=graph.output,
         source=graph.source,
@@ -182,7 +224,8 @@ def _from_graph(
 def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
     blocks = find_blocks(model, example)
     pieces = blocks.pieces
-    check_split(len(pieces), plan.pp, plan.stages)
+    chunks = _chunks(plan)
+    check_split(len(pieces), chunks, plan.stages, plan.virtual_stages)
     measured = [
         LayerCost(
             forward_ms=piece.forward_ms,
@@ -200,23 +243,23 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
     elif plan.stages is not None:
         sizes = plan.stages
     else:
-        sizes = _balanced(costs, trainable, cut_positions(spine, example), plan.pp, pieces)
+        sizes = _balanced(
+            costs, trainable, cut_positions(spine, example), chunks, pieces, plan.virtual_stages
+        )
     refuse_stages_without_parameters([x.name for x in pieces], trainable, sizes)
     check_chain(spine, sizes, example)
-    starts = [sum(sizes[:k]) for k in range(plan.pp + 1)]
-    names = [
-        tuple(f"cut{k}.{j}" for j in range(pieces[starts[k]].crossing)) for k in range(plan.pp)
-    ]
+    starts = [sum(sizes[:k]) for k in range(chunks + 1)]
+    names = [tuple(f"cut{k}.{j}" for j in range(pieces[starts[k]].crossing)) for k in range(chunks)]
     routes = [
         Routes(
             receives=((k - 1, names[k]),) if k > 0 else (),
-            sends=((k + 1, names[k + 1]),) if k < plan.pp - 1 else (),
+            sends=((k + 1, names[k + 1]),) if k < chunks - 1 else (),
         )
-        for k in range(plan.pp)
+        for k in range(chunks)
     ]
 
     def program(index: int) -> Program:
-        last = index == plan.pp - 1
+        last = index == chunks - 1
         made = ["output"] if last else list(names[index + 1])
         return _SpineProgram(spine, starts[index], starts[index + 1], made)
 
@@ -226,6 +269,7 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
         modules=tuple(x.module for x in pieces),
         costs=tuple(costs),
         sizes=sizes,
+        ranks=plan.pp,
         routes=tuple(routes),
         output="output",
         source=f"blocks ({', '.join(blocks.lists)})",
@@ -239,6 +283,7 @@ def _balanced(
     cuts: Sequence[int],
     stages: int,
     pieces: Sequence[Piece],
+    virtual_stages: int,
 ) -> tuple[int, ...]:
     """The profile-balanced split (weights spread evenly among near-fastest ones) that cuts
     only where a stage may begin.
@@ -248,15 +293,17 @@ def _balanced(
     bounds = [0, *cuts, len(costs)]
     segments = list(zip(bounds, bounds[1:], strict=False))
     if len(segments) < stages:
+        label, name = split_words(stages, virtual_stages)
         raise PlanError(
-            f"Plan.pp={stages} needs {stages - 1} cuts, but a stage can begin only at "
-            f"{[pieces[k].name for k in cuts]}; use pp <= {len(segments)}"
+            f"{label} needs {stages - 1} cuts, but a stage can begin only at "
+            f"{[pieces[k].name for k in cuts]}; use {name} <= {len(segments)}"
         )
     sizes = balance(
         [sum(c.total_ms for c in costs[a:b]) for a, b in segments],
         stages,
         [any(trainable[a:b]) for a, b in segments],
         [sum(c.parameter_bytes for c in costs[a:b]) for a, b in segments],
+        virtual_stages,
     )
     starts = [sum(sizes[:k]) for k in range(stages + 1)]
     return tuple(bounds[starts[k + 1]] - bounds[starts[k]] for k in range(stages))

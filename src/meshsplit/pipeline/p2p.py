@@ -170,10 +170,14 @@ class Exchange:
         """Take the header `peer` sends under `key` as heard (a simulated run has no peer)."""
         self._heard[(peer, key)] = metas
 
-    def send(self, messages: list[tuple[int, list[torch.Tensor]]], key: Hashable | None) -> Sending:
-        """Start sending each (peer, tensors), with a header the first time for `key`.
+    def send(
+        self, messages: list[tuple[int, list[torch.Tensor]]], key: Hashable | None, tag: int = 0
+    ) -> Sending:
+        """Start sending each (peer, tensors) under `tag`, with a header the first time for `key`.
 
         `key=None` sends no header: the receiver knows the shapes (gradients of what it sent).
+        Messages between two ranks arrive in order within a tag; tags keep apart the links of
+        chunks that share a pair of ranks (interleaved schedules).
         A tensor that lives in a pool buffer is copied first: the buffer may be reused for
         the next receive while this send is still in flight.
         """
@@ -183,7 +187,10 @@ class Exchange:
                 metas = [self.meta(t) for t in tensors]
                 header = encode(metas).to(self.device)
                 length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
-                ops += [dist.P2POp(dist.isend, length, peer), dist.P2POp(dist.isend, header, peer)]
+                ops += [
+                    dist.P2POp(dist.isend, length, peer, tag=tag),
+                    dist.P2POp(dist.isend, header, peer, tag=tag),
+                ]
                 keep += [length, header]
                 self.told[(peer, key)] = metas
             for tensor in tensors:
@@ -193,36 +200,40 @@ class Exchange:
                     data = data.to(wire).contiguous()
                 else:
                     data = data.clone() if self.pool.owns(data) else data.contiguous()
-                ops.append(dist.P2POp(dist.isend, data, peer))
+                ops.append(dist.P2POp(dist.isend, data, peer, tag=tag))
                 keep.append(data)
         works = dist.batch_isend_irecv(ops) if ops else []
         return Sending(works=works, tensors=keep, peers=[peer for peer, _ in messages])
 
-    def receive(self, peers: list[int], key: Hashable) -> list[Received]:
-        """One message from each peer, into pool buffers; learns its header the first time."""
-        unknown = [peer for peer in peers if (peer, key) not in self._heard]
+    def receive(self, sources: list[tuple[int, int, Hashable]]) -> list[Received]:
+        """One message from each (peer, tag, key), into pool buffers; learns its header the
+        first time for that key."""
+        unknown = [(peer, tag, key) for peer, tag, key in sources if (peer, key) not in self._heard]
         if unknown:
             lengths = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in unknown]
-            self._wait([(peer, t) for peer, t in zip(unknown, lengths, strict=True)])
+            self._wait([(peer, tag, t) for (peer, tag, _), t in zip(unknown, lengths, strict=True)])
             headers = [
                 torch.empty(int(n.item()), dtype=torch.int64, device=self.device) for n in lengths
             ]
-            self._wait([(peer, t) for peer, t in zip(unknown, headers, strict=True)])
-            for peer, header in zip(unknown, headers, strict=True):
+            self._wait([(peer, tag, t) for (peer, tag, _), t in zip(unknown, headers, strict=True)])
+            for (peer, _, key), header in zip(unknown, headers, strict=True):
                 self._heard[(peer, key)] = decode(header.cpu())
-        return self.receive_like([(peer, self._heard[(peer, key)]) for peer in peers])
+        return self.receive_like(
+            [(peer, tag, self._heard[(peer, key)]) for peer, tag, key in sources]
+        )
 
-    def receive_like(self, messages: list[tuple[int, list[TensorMeta]]]) -> list[Received]:
-        """One message from each peer whose shapes this rank already knows (e.g. gradients)."""
-        buffers = [[self.pool.take(meta) for meta in metas] for _, metas in messages]
+    def receive_like(self, messages: list[tuple[int, int, list[TensorMeta]]]) -> list[Received]:
+        """One message from each (peer, tag) whose shapes this rank already knows (e.g.
+        gradients)."""
+        buffers = [[self.pool.take(meta) for meta in metas] for _, _, metas in messages]
         self._wait(
             [
-                (peer, buffer)
-                for (peer, _), message in zip(messages, buffers, strict=True)
+                (peer, tag, buffer)
+                for (peer, tag, _), message in zip(messages, buffers, strict=True)
                 for buffer in message
             ]
         )
-        return [self._restore(b, metas) for b, (_, metas) in zip(buffers, messages, strict=True)]
+        return [self._restore(b, metas) for b, (_, _, metas) in zip(buffers, messages, strict=True)]
 
     def _restore(self, buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Received:
         """The tensors as the sender had them: cast back from the wire dtype where needed."""
@@ -236,12 +247,12 @@ class Exchange:
                 self.pool.give(buffer)
         return Received(tensors=tensors, metas=metas, lent=lent)
 
-    def _wait(self, receives: list[tuple[int, torch.Tensor]]) -> None:
+    def _wait(self, receives: list[tuple[int, int, torch.Tensor]]) -> None:
         if not receives:
             return
-        peers, tensors = [peer for peer, _ in receives], [t for _, t in receives]
+        peers, tensors = [peer for peer, _, _ in receives], [t for _, _, t in receives]
         with waiting("p2p wait, receive", lambda: _traffic(peers, tensors)):
-            ops = [dist.P2POp(dist.irecv, tensor, peer) for peer, tensor in receives]
+            ops = [dist.P2POp(dist.irecv, tensor, peer, tag=tag) for peer, tag, tensor in receives]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 

@@ -30,6 +30,7 @@ def balance(
     stages: int,
     anchors: Sequence[bool] | None = None,
     memory: Sequence[float] | None = None,
+    virtual_stages: int = 1,
 ) -> tuple[int, ...]:
     """Layers per stage (contiguous, each >= 1) that minimise the largest stage cost.
 
@@ -37,14 +38,16 @@ def balance(
     anchors layers with parameters: a stage with nothing to train has no optimizer). With
     `memory` (per layer), the split minimises the largest stage memory among those whose
     largest stage cost is within SLACK of the least, so near-equal timings do not leave
-    one rank holding most of the weights.
+    one rank holding most of the weights. `stages` counts chunks under interleaving
+    (`virtual_stages` of them per rank), which changes only the words of errors.
     """
-    check_split(len(costs), stages)
+    check_split(len(costs), stages, virtual_stages=virtual_stages)
+    label, name = split_words(stages, virtual_stages)
     anchors = [True] * len(costs) if anchors is None else list(anchors)
     if sum(anchors) < stages:
         raise PlanError(
-            f"Plan.pp={stages} exceeds the {sum(anchors)} layers with parameters of the model "
-            f"(each stage needs one); use pp <= {sum(anchors)}"
+            f"{label} exceeds the {sum(anchors)} layers with parameters of the model "
+            f"(each stage needs one); use {name} <= {sum(anchors)}"
         )
     fastest = _min_max_split(costs, stages, anchors, costs, float("inf"))
     if memory is None:
@@ -101,19 +104,33 @@ def stage_costs(costs: Sequence[float], sizes: Sequence[int]) -> list[float]:
     return totals
 
 
-def check_split(layers: int, stages: int, sizes: Sequence[int] | None = None) -> None:
+def split_words(chunks: int, virtual_stages: int = 1) -> tuple[str, str]:
+    """How errors name a split into `chunks` parts: ('Plan.pp=2', 'pp'), or under
+    interleaving ('Plan.pp=2 x virtual_stages=2 = 4 chunks', 'pp*virtual_stages')."""
+    if virtual_stages == 1:
+        return f"Plan.pp={chunks}", "pp"
+    label = (
+        f"Plan.pp={chunks // virtual_stages} x virtual_stages={virtual_stages} = {chunks} chunks"
+    )
+    return label, "pp*virtual_stages"
+
+
+def check_split(
+    layers: int, stages: int, sizes: Sequence[int] | None = None, virtual_stages: int = 1
+) -> None:
     """Refuse a split that leaves a stage empty or does not cover the model's layers."""
+    label, name = split_words(stages, virtual_stages)
     if stages > layers:
         raise PlanError(
-            f"Plan.pp={stages} exceeds the {layers} layers of the model; use pp <= {layers} "
+            f"{label} exceeds the {layers} layers of the model; use {name} <= {layers} "
             "(or mark more split points)"
         )
     if sizes is None:
         return
     if len(sizes) != stages or any(size < 1 for size in sizes):
         raise PlanError(
-            f"Plan.stages={list(sizes)} must give each of pp={stages} stages at least one "
-            f"layer; e.g. stages={list(_even(layers, stages))}"
+            f"Plan.stages={list(sizes)} must give each of the {stages} stages (chunks) at "
+            f"least one layer; e.g. stages={list(_even(layers, stages))}"
         )
     if sum(sizes) != layers:
         raise PlanError(

@@ -1,4 +1,5 @@
-"""PipelineRunner: the Runner for pp > 1 — this rank's stage of a profile-balanced layer split.
+"""PipelineRunner: the Runner for pp > 1 — this rank's stage of a profile-balanced layer split
+(its chunks r, r+pp, ... under the interleaved schedule).
 
 Every rank measures the pieces on one micro-batch and the costs are agreed by an
 all-reduce(min), so all ranks compute the same split; each micro-batch's loss is weighted by
@@ -20,8 +21,8 @@ from meshsplit.mesh import Mesh
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.pipeline.p2p import Exchange, broadcast_tensor, wire_dtype
 from meshsplit.pipeline.profile import LayerCost
-from meshsplit.pipeline.schedules import bubble_fraction, diagram, forward_only, schedule
-from meshsplit.pipeline.stage import Stage
+from meshsplit.pipeline.schedules import diagram, forward_only, idle_fraction, schedule
+from meshsplit.pipeline.stage import Stage, run
 from meshsplit.pipeline.tied import TiedGradients
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
@@ -51,25 +52,32 @@ class PipelineRunner:
             )
         example = to_device(example, mesh.device)
         cuts = find_cuts(model, example, plan, lambda costs: _agreed(costs, mesh.device))
-        program = cuts.program(mesh.rank("pp"))
         self.plan = plan
         self.mesh = mesh
         self.loss_fn = loss_fn
         self.model = model
         self.sizes = cuts.sizes
         self.index = mesh.rank("pp")
-        self.stage = Stage(
-            index=self.index,
-            stages=plan.pp,
-            module=cuts.stage_module(self.index),
-            program=program,
-            output=cuts.output,
-            routes=cuts.routes[self.index],
-            peers=[mesh.global_rank(pp=k) for k in range(plan.pp)],
-            exchange=Exchange(mesh.device, wire_dtype(plan)),
-            precision=precision,
-        )
-        self.module: nn.Module = self.stage.module
+        module = cuts.stage_module(self.index)
+        exchange = Exchange(mesh.device, wire_dtype(plan))
+        self.chunks = {
+            chunk: Stage(
+                index=chunk,
+                stages=len(cuts.sizes),
+                module=module,
+                program=cuts.program(chunk),
+                output=cuts.output,
+                routes=cuts.routes[chunk],
+                peers=[mesh.global_rank(pp=k % plan.pp) for k in range(len(cuts.sizes))],
+                exchange=exchange,
+                precision=precision,
+            )
+            for chunk in cuts.chunks_of(self.index)
+        }
+        """This rank's chunks (one stage unless interleaved), by chunk index."""
+        self.stage = self.chunks[self.index]
+        """The first of them (its exchange is every chunk's)."""
+        self.module: nn.Module = module
         self.tied = TiedGradients(cuts.shared_parameters(), mesh)
         self._cuts = cuts
         self._state = cuts.local_state(self.index)
@@ -88,8 +96,9 @@ class PipelineRunner:
         self, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]
     ) -> None:
         """Run this stage's part as `wrap(stage, computation)` says (the memory policy's
-        choice, made above this axis: recomputed in backward, or as it is)."""
-        self.stage.compute = wrap(self.index, self.stage.program)
+        choice, made above this axis: recomputed in backward, or as it is), every chunk alike."""
+        for stage in self.chunks.values():
+            stage.compute = wrap(self.index, stage.program)
 
     def reread_state(self) -> None:
         """Name this stage's tensors anew after their modules got new ones (sharding)."""
@@ -101,7 +110,8 @@ class PipelineRunner:
         self.module.train(mode)
 
     def backward_passes(self) -> int:
-        """Each local parameter gets one backward pass per micro-batch."""
+        """Each local parameter gets one backward pass per micro-batch (its W under
+        zero-bubble: B accumulates into no parameter)."""
         return self.plan.micro_batches
 
     def finish_gradients(self) -> None:
@@ -120,17 +130,18 @@ class PipelineRunner:
         def loss_of(output: Any, y: Any) -> torch.Tensor:
             return self.loss_fn(output, y) * loss_weight(self.loss_fn, rows(y), global_rows)
 
-        actions = schedule(self.plan.schedule, self.plan.pp, m)[self.index]
-        step = self.stage.run(actions, xs, ys, loss_of)
+        plan = self.plan
+        actions = schedule(plan.schedule, plan.pp, m, plan.virtual_stages)[self.index]
+        step = run(self.chunks, actions, xs, ys, loss_of)
         if step.loss is None:  # only the last stage computes it; the engine's sum adds it
             return torch.zeros((), device=self.mesh.device)
         return step.loss.detach()
 
     def forward(self, inputs: Any) -> Any:
         chunks = split_rows(inputs, max(1, min(self.plan.micro_batches, rows(inputs))))
-        actions = forward_only(self.plan.pp, len(chunks))[self.index]
-        step = self.stage.run(actions, chunks, None, None)
-        output = cat_rows(step.outputs) if self.stage.last else None
+        actions = forward_only(self.plan.pp, len(chunks), self.plan.virtual_stages)[self.index]
+        step = run(self.chunks, actions, chunks, None, None)
+        output = cat_rows(step.outputs) if self.index == self.plan.pp - 1 else None
         group = self.mesh.group("pp")
         kind = [isinstance(output, torch.Tensor)]  # the last stage tells what it made
         dist.broadcast_object_list(kind, src=self._last_rank, group=group)
@@ -182,14 +193,17 @@ def _agreed(costs: list[LayerCost], device: torch.device) -> list[LayerCost]:
 
 
 def _describe(cuts: Cuts, plan: Plan) -> dict[str, Any]:
+    """Per chunk (a stage unless interleaved): the rank it runs on, its layers and costs;
+    the chunks of each rank; the schedule's idle share at the papers' costs and its diagram."""
     stages = []
     starts = cuts.starts
-    for stage in range(plan.pp):
-        span = range(starts[stage], starts[stage + 1])
+    for chunk in range(len(cuts.sizes)):
+        span = range(starts[chunk], starts[chunk + 1])
         params = {id(p): p for i in span for p in cuts.modules[i].parameters()}
         stages.append(
             {
-                "stage": stage,
+                "stage": chunk % plan.pp,
+                "chunk": chunk,
                 "layers": [cuts.names[i] for i in span],
                 "parameters": sum(p.numel() for p in params.values()),
                 "forward_ms": sum(cuts.costs[i].forward_ms for i in span),
@@ -197,10 +211,12 @@ def _describe(cuts: Cuts, plan: Plan) -> dict[str, Any]:
                 "activation_bytes": cuts.costs[span[-1]].activation_bytes,
             }
         )
+    actions = schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
     return {
         "stages": stages,
-        "bubble_fraction": bubble_fraction(plan.pp, plan.micro_batches),
-        "schedule": diagram(schedule(plan.schedule, plan.pp, plan.micro_batches)),
+        "chunks": {rank: list(cuts.chunks_of(rank)) for rank in range(plan.pp)},
+        "bubble_fraction": idle_fraction(actions),
+        "schedule": diagram(actions),
         "layers_from": cuts.source,
         "shared_parameters": [name for name, _, _ in cuts.shared_parameters()],
     }

@@ -8,7 +8,7 @@ Rationale: docs/internals.md#pipelinestagepy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,23 +71,59 @@ def plan_routes(graph: LayerGraph, sizes: Sequence[int]) -> list[Routes]:
 
 @dataclass
 class _InFlight:
-    """A micro-batch between its forward and its backward on this stage."""
+    """A micro-batch between its forward and its backward (or weight gradient) on one chunk."""
 
     received: list[list[torch.Tensor]]
     buffers: list[torch.Tensor]
     sent: list[list[torch.Tensor]]
     sending: Sending
     loss: torch.Tensor | None = None
+    roots: list[torch.Tensor] = field(default_factory=list)
+    """After B of a split backward: what W starts from, with `seeds` (its gradients)."""
+    seeds: list[torch.Tensor | None] = field(default_factory=list)
 
 
 @dataclass
 class _Step:
     """What one pass over the micro-batches keeps until it ends."""
 
-    in_flight: dict[int, _InFlight] = field(default_factory=dict)
+    in_flight: dict[tuple[int, int], _InFlight] = field(default_factory=dict)
+    """(chunk, micro-batch) -> its values between forward and backward."""
     sending: list[Sending] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     loss: torch.Tensor | None = None
+
+
+def run(
+    stages: Mapping[int, Stage],
+    actions: Sequence[Action],
+    inputs: Sequence[Any],
+    targets: Sequence[Any] | None,
+    loss_of: Callable[[Any, Any], torch.Tensor] | None,
+) -> _Step:
+    """Run `actions` over the micro-batches on this rank's chunks (`stages`, by chunk); with
+    no targets, forward only (inference). A schedule with W actions splits each backward."""
+    step = _Step()
+    (only, *_) = stages
+    split = any(action.kind == "W" for action in actions)
+    for action in actions:
+        stage = stages[only if action.chunk is None else action.chunk]
+        where = "" if action.chunk is None else f", chunk {action.chunk}"
+        if action.kind == "F":
+            target = targets[action.micro] if targets is not None else None
+            with phase(f"forward, micro-batch {action.micro}{where}"):
+                stage.forward(step, action.micro, inputs[action.micro], target, loss_of)
+        elif action.kind == "B":
+            with phase(f"backward, micro-batch {action.micro}{where}"):
+                stage.backward(step, action.micro, weights_later=split)
+        else:
+            with phase(f"weight gradients, micro-batch {action.micro}{where}"):
+                stage.weights(step, action.micro)
+    # on an error the sends are left unfinished on purpose: waiting for a peer that may
+    # never receive would turn a failure into a hang; the job ends instead
+    for sending in step.sending:
+        sending.wait()
+    return step
 
 
 class Program(Protocol):
@@ -123,7 +159,12 @@ class LayerProgram:
 
 
 class Stage:
-    """This rank's part of the model and its traffic with the other stages of its pipeline."""
+    """One chunk of the model on this rank (its stage, unless interleaved) and its traffic
+    with the other chunks.
+
+    Messages are tagged by the chunk that sends them, activations 2c and gradients 2c+1, so
+    two chunks of one rank talking to the same peer never take each other's messages.
+    """
 
     def __init__(
         self,
@@ -139,6 +180,7 @@ class Stage:
         precision: Precision,
     ) -> None:
         self.index = index
+        """The chunk: routes and peers count chunks (chunk c runs on peers[c])."""
         self.last = index == stages - 1
         self.module = module
         """The modules whose parameters this stage trains."""
@@ -152,35 +194,12 @@ class Stage:
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
 
-    def run(
-        self,
-        actions: Sequence[Action],
-        inputs: Sequence[Any],
-        targets: Sequence[Any] | None,
-        loss_of: Callable[[Any, Any], torch.Tensor] | None,
-    ) -> _Step:
-        """Run `actions` over the micro-batches; with no targets, forward only (inference)."""
-        step = _Step()
-        for action in actions:
-            if action.kind == "F":
-                target = targets[action.micro] if targets is not None else None
-                with phase(f"forward, micro-batch {action.micro}"):
-                    self._forward(step, action.micro, inputs[action.micro], target, loss_of)
-            else:
-                with phase(f"backward, micro-batch {action.micro}"):
-                    self._backward(step, action.micro)
-        # on an error the sends are left unfinished on purpose: waiting for a peer that may
-        # never receive would turn a failure into a hang; the job ends instead
-        for sending in step.sending:
-            sending.wait()
-        return step
-
     def _key(self, x: Any) -> Hashable:
         """What fixes every shape this micro-batch sends: its input's signature and the mode."""
         signature = tuple((tuple(t.shape), t.dtype) for t in tensors(x))
         return (signature, torch.is_grad_enabled(), self.module.training)
 
-    def _forward(
+    def forward(
         self,
         step: _Step,
         micro: int,
@@ -189,7 +208,9 @@ class Stage:
         loss_of: Callable[[Any, Any], torch.Tensor] | None,
     ) -> None:
         key = self._key(x)
-        messages = self.exchange.receive([self.peers[src] for src, _ in self.routes.receives], key)
+        messages = self.exchange.receive(
+            [(self.peers[src], 2 * src, (src, key)) for src, _ in self.routes.receives]
+        )
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
         with self.precision.autocast():
@@ -198,7 +219,8 @@ class Stage:
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
         sending = self.exchange.send(
             [(self.peers[dst], t) for (dst, _), t in zip(self.routes.sends, sent, strict=True)],
-            key,
+            (self.index, key),
+            tag=2 * self.index,
         )
         buffers = [b for message in messages for b in message.lent]
         if y is None:  # inference: nothing to keep for a backward
@@ -213,34 +235,65 @@ class Stage:
             with self.precision.autocast():
                 flight.loss = loss_of(values[self.model_output], y)
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
-        step.in_flight[micro] = flight
+        step.in_flight[(self.index, micro)] = flight
 
     def _owned(self, value: Any) -> Any:
         """A value of its own: a copy if it lives in a pool buffer that will be reused."""
         owned = isinstance(value, torch.Tensor) and self.exchange.pool.owns(value)
         return value.clone() if owned else value
 
-    def _backward(self, step: _Step, micro: int) -> None:
-        flight = step.in_flight.pop(micro)
+    def backward(self, step: _Step, micro: int, *, weights_later: bool) -> None:
+        """B: the gradients of what this chunk received, sent back at once; the weights'
+        gradients too, unless `weights_later` (then W computes them)."""
+        flight = step.in_flight[(self.index, micro)]
         flight.sending.wait()  # the readers have finished this forward: they sent our gradients
-        if flight.loss is not None:
-            self.precision.backward(flight.loss)
         wanted = [
-            (self.peers[dst], [self.exchange.meta(t) for t in tensors if t.requires_grad])
-            for (dst, _), tensors in zip(self.routes.sends, flight.sent, strict=True)
+            (self.peers[dst], 2 * dst + 1, [self.exchange.meta(t) for t in ts if t.requires_grad])
+            for (dst, _), ts in zip(self.routes.sends, flight.sent, strict=True)
         ]
-        grads = self.exchange.receive_like([(peer, metas) for peer, metas in wanted if metas])
-        roots = [t for tensors in flight.sent for t in tensors if t.requires_grad]
-        seeds = [g for message in grads for g in message.tensors]
-        if roots:
-            torch.autograd.backward(roots, seeds)
-        for buffer in (b for message in grads for b in message.lent):
-            self.exchange.pool.give(buffer)
+        grads = self.exchange.receive_like([w for w in wanted if w[2]])
+        roots: list[torch.Tensor] = [t for ts in flight.sent for t in ts if t.requires_grad]
+        seeds: list[torch.Tensor | None] = [g for message in grads for g in message.tensors]
+        if flight.loss is not None:
+            multiplier = self.precision.multiplier  # the fp16 loss scale, as Precision.backward
+            roots.append(flight.loss * multiplier if multiplier != 1.0 else flight.loss)
+            seeds.append(None)
+        leaves = [t for ts in flight.received for t in ts if t.requires_grad]
+        if not weights_later:
+            if roots:
+                torch.autograd.backward(roots, seeds)
+            found = [_grad_of(t) for t in leaves]
+        elif roots and leaves:
+            # the input gradient only, keeping the graph for W (which the hooks of the
+            # gradient sync wait for: torch.autograd.grad accumulates into no parameter)
+            got = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+            found = [
+                g if g is not None else torch.zeros_like(t)
+                for g, t in zip(got, leaves, strict=True)
+            ]
+        else:
+            found = [torch.zeros_like(t) for t in leaves]
+        given = iter(found)
         back = [
-            (self.peers[src], [_grad_of(t) for t in tensors if t.requires_grad])
-            for (src, _), tensors in zip(self.routes.receives, flight.received, strict=True)
+            (self.peers[src], [next(given) for t in ts if t.requires_grad])
+            for (src, _), ts in zip(self.routes.receives, flight.received, strict=True)
         ]
-        step.sending.append(self.exchange.send([(p, g) for p, g in back if g], key=None))
+        sent_back = self.exchange.send([(p, g) for p, g in back if g], None, 2 * self.index + 1)
+        step.sending.append(sent_back)
+        lent = [b for message in grads for b in message.lent]
+        if weights_later:  # W reads the graph, its seeds and the received buffers
+            flight.roots, flight.seeds, flight.buffers = roots, seeds, flight.buffers + lent
+            return
+        del step.in_flight[(self.index, micro)]
+        for buffer in lent + flight.buffers:
+            self.exchange.pool.give(buffer)
+
+    def weights(self, step: _Step, micro: int) -> None:
+        """W: the backward again over the graph B kept, now accumulating every gradient as a
+        plain backward does (post-accumulate hooks, FSDP2's reductions fire here)."""
+        flight = step.in_flight.pop((self.index, micro))
+        if flight.roots:
+            torch.autograd.backward(flight.roots, flight.seeds)
         for buffer in flight.buffers:
             self.exchange.pool.give(buffer)
 
