@@ -220,7 +220,7 @@ def stage_table(description: dict[str, Any]) -> Table:
     """describe() of a layer split as a table: one row per stage, the schedule below it."""
     table = Table(
         title=f"layer split ({description['layers_from']})",
-        caption=f"bubble (p-1)/(m+p-1) = {description['bubble_fraction']:.1%}\n"
+        caption=f"idle share of the schedule (bubble) = {description['bubble_fraction']:.1%}\n"
         + description["schedule"],
     )
     for column in ("stage", "layers", "parameters", "forward ms", "backward ms"):
