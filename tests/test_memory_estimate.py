@@ -8,10 +8,12 @@ reference models and on Hugging Face models.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import meshsplit as ms
@@ -21,15 +23,40 @@ from hf_models import FACTORIES, KINDS
 pytestmark = pytest.mark.timeout(600)
 
 ROWS = 8
+TOKEN_MODELS = ("transformer", "token_mixing")
+"""Reference models that read token ids and predict a token at every position."""
+
+
+class TokenMixing(nn.Module):
+    """LayerNorm, Linear 128->512, GELU, Linear 512->128, with a residual: under tp a column
+    and a row split with one all-reduce each way, under pp a stage holding whole blocks."""
+
+    def __init__(self, width: int = 128, hidden: int = 512) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _token_mixing() -> nn.Sequential:
+    blocks = [(f"block{i}", TokenMixing()) for i in range(4)]
+    layers = [("embed", nn.Embedding(256, 128)), *blocks, ("head", nn.Linear(128, 256))]
+    return nn.Sequential(OrderedDict(layers))
 
 
 def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name in FACTORIES:
         return FACTORIES[name]()
-    return {"mlp": ms.models.mlp, "cnn": ms.models.cnn, "transformer": ms.models.transformer}[
-        name
-    ]()
+    return {
+        "mlp": ms.models.mlp,
+        "cnn": ms.models.cnn,
+        "transformer": ms.models.transformer,
+        "token_mixing": _token_mixing,
+    }[name]()
 
 
 def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,8 +65,8 @@ def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(ROWS, 1, 28, 28, generator=g), torch.randint(0, 10, (ROWS,), generator=g)
     if name == "resnet":
         return torch.randn(ROWS, 3, 32, 32, generator=g), torch.randint(0, 10, (ROWS,), generator=g)
-    vocab = 256 if name == "transformer" else 64
-    length = 32 if name == "transformer" else 8
+    vocab = 256 if name in TOKEN_MODELS else 64
+    length = {"transformer": 32, "token_mixing": 64}.get(name, 8)
     x = torch.randint(0, vocab, (ROWS, length), generator=g)
     if KINDS.get(name) == "classify":
         return x, torch.randint(0, 3, (ROWS,), generator=g)
@@ -47,7 +74,7 @@ def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _loss(name: str) -> nn.Module:
-    token_level = name == "transformer" or (name in FACTORIES and name not in KINDS)
+    token_level = name in TOKEN_MODELS or (name in FACTORIES and name not in KINDS)
     return ms.models.TokenCrossEntropy() if token_level else nn.CrossEntropyLoss()
 
 
@@ -89,6 +116,11 @@ CASES = {
         ("bert", ms.Plan(dp=2, tp=2)),
         ("resnet", ms.Plan(dp=2, pp=2)),
         ("mlp", ms.Plan(dp=4, zero=1)),  # whole tensors dealt out: the ranks differ
+        # pp x tp: each stage's tp collectives, its receive pools and its wire copies at once
+        ("token_mixing", ms.Plan(pp=2, tp=2, micro_batches=2)),
+        ("token_mixing", ms.Plan(pp=2, tp=2, micro_batches=2, precision="bf16-mixed")),
+        ("token_mixing", ms.Plan(dp=2, tp=2)),
+        ("transformer", ms.Plan(pp=2, tp=2, micro_batches=2, precision="bf16-mixed")),
     ],
     2: [
         ("transformer", ms.Plan(pp=2, micro_batches=4, recompute="always")),
@@ -97,6 +129,9 @@ CASES = {
         ("llama", ms.Plan(tp=2)),
         ("gpt2", ms.Plan(pp=2, micro_batches=4, schedule="gpipe", recompute="always")),
         ("cnn", ms.Plan(dp=2, zero=1)),  # fc1 holds most of the CNN: one rank's Adam state
+        ("token_mixing", ms.Plan(pp=2, micro_batches=2)),
+        # after llama's: a tp group that is the whole world keeps its staging across engines
+        ("token_mixing", ms.Plan(tp=2)),
     ],
 }
 
