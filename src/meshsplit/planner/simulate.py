@@ -63,6 +63,13 @@ def estimate_memory(
             "the parameters with their optimizer state each (they check Plan.memory_budget "
             "themselves when they start)"
         )
+    if plan.schedule == "interleaved":
+        raise PlanError(
+            f"the memory estimate does not simulate {plan.describe()} yet: its ranks receive "
+            "from later ones (chunk to chunk), which one process running the ranks in order "
+            "cannot replay; estimate schedule='1f1b' with the same pp for the memory of the "
+            "model's parts, and leave virtual_stages x more micro-batches in flight"
+        )
     inputs, targets = batch
     plan.check_batch(rows(inputs))
     estimate = _estimate(model, plan, inputs, targets, optimizer, loss_fn, timeline)
