@@ -8,6 +8,7 @@ by all-to-all (dropless), so the result is one process's up to summation order.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 import meshsplit as ms
 
+from cli_runner import run_meshsplit
 from reference import OPTIMIZERS
 
 transformers = pytest.importorskip("transformers")
@@ -299,3 +301,30 @@ def test_a_checkpoint_under_ep_resumes_under_any_ep(tmp_path: Any, model: str) -
             assert got["loss"] == pytest.approx(want_losses[2], rel=RTOL)
             for key, value in want_state.items():
                 torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_the_trainer_and_the_command_line_take_the_expert_split(tmp_path: Any) -> None:
+    x, y = ms.data.synthetic_tokens(64, seq_len=8, vocab_size=VOCAB, seed=1)
+    model = _build("own")
+    trainer = ms.Trainer(
+        model, ms.Plan(dp=2, ep=2), optimizer=OPTIMIZERS["sgd"],
+        loss_fn=ms.models.TokenCrossEntropy(),
+    )  # fmt: skip
+    trainer.fit((x, y), epochs=1, batch_size=16, verbose=0, shuffle=False)
+    alone = _build("own")
+    optimizer = OPTIMIZERS["sgd"](alone.parameters())
+    for rows in range(0, 64, 16):
+        optimizer.zero_grad()
+        ms.models.TokenCrossEntropy()(alone(x[rows : rows + 16]), y[rows : rows + 16]).backward()
+        optimizer.step()
+    for (key, got), want in zip(
+        model.state_dict().items(), alone.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=key)
+    out = tmp_path / "metrics.json"
+    done = run_meshsplit(
+        "train", "--model", "moe", "--dp", "2", "--ep", "2", "--epochs", "1", "--metrics-out",
+        str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text())["plan"]["ep"] == 2
