@@ -73,33 +73,34 @@ def _train(model: str, plan: ms.Plan) -> int:
     return int(largest)
 
 
-def _sweep(cases: list[tuple[str, str]], dp: int) -> list[dict[str, Any]]:
+def _sweep(cases: list[tuple[str, str]], dp: int, pp: int = 1) -> list[dict[str, Any]]:
     """Runs in every worker: each case's needs, then each budget between them."""
     results = []
+    split = {"dp": dp, "pp": pp, "micro_batches": pp}
     for model, precision in cases:
-        always = _train(model, ms.Plan(dp=dp, precision=precision, recompute="always"))
-        never = _train(model, ms.Plan(dp=dp, precision=precision))
+        always = _train(model, ms.Plan(**split, precision=precision, recompute="always"))
+        never = _train(model, ms.Plan(**split, precision=precision))
         tried: dict[int, int] = {}
         """named budget -> the peak under it (a budget is run once)."""
         for point in BUDGET_POINTS:
             budget = int(always + point * (never - always))
             outcome: dict[str, Any] = {"case": (model, precision, point), "budget": budget}
             try:
-                outcome["peak"] = _train(model, _auto(dp, precision, budget))
+                outcome["peak"] = _train(model, _auto(split, precision, budget))
             except ms.PlanError as error:
                 outcome["refused"] = str(error)
                 named = re.search(r"memory_budget='(\d+)KiB' fits", str(error))
                 if named is not None:
                     fitting = outcome["named"] = int(named.group(1)) * 1024
                     if fitting not in tried:
-                        tried[fitting] = _train(model, _auto(dp, precision, fitting))
+                        tried[fitting] = _train(model, _auto(split, precision, fitting))
                     outcome["named_peak"] = tried[fitting]
             results.append(outcome)
     return results
 
 
-def _auto(dp: int, precision: str, budget: int) -> ms.Plan:
-    return ms.Plan(dp=dp, precision=precision, recompute="auto", memory_budget=budget)
+def _auto(split: dict[str, int], precision: str, budget: int) -> ms.Plan:
+    return ms.Plan(**split, precision=precision, recompute="auto", memory_budget=budget)
 
 
 def _check(outcomes: list[dict[str, Any]]) -> None:
@@ -123,3 +124,9 @@ def test_every_budget_auto_accepts_holds_under_dp2() -> None:
     per_rank = ms.launch(_sweep, 2, args=([("token_mixing", "fp32")], 2), timeout_s=300)
     assert per_rank[0] == per_rank[1] or all("refused" in a or "peak" in a for a in per_rank[0])
     _check(per_rank[0])
+
+
+def test_every_budget_auto_accepts_holds_on_a_two_stage_pipeline() -> None:
+    per_rank = ms.launch(_sweep, 2, args=([("token_mixing", "fp32")], 1, 2), timeout_s=300)
+    for outcomes in per_rank:
+        _check(outcomes)
