@@ -186,11 +186,6 @@ class Plan:
                 f"Plan.ep={self.ep!r} must be a positive integer that divides dp={self.dp} (ep "
                 f"ranks are dp ranks but for the experts); use ep in {divisors(self.dp)}"
             )
-        if self.ep > 1 and self.zero == 1:
-            raise PlanError(
-                f"Plan.ep={self.ep} does not combine with zero=1 yet: its optimizer shards "
-                "deal every parameter over dp, experts included; use zero=2 or 3 with ep"
-            )
         cap = self.capacity_factor
         if cap is not None and (
             not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0

@@ -167,14 +167,19 @@ def training_state(
             sync = WithExperts(sharded, own)
         return TrainingState(sync, make_optimizer(parameters()), make_optimizer, True)
     params = list(parameters())
-    if experts is not None:  # Plan.ep > 1 without ZeRO (ZeRO 1 does not take ep)
+    if experts is not None:  # Plan.ep > 1 without ZeRO 2/3
         held = {id(p) for p in experts.parameters}
         dense = [p for p in params if id(p) not in held]
         split = WithExperts(
             GradientSync(dense, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype),
             _sync(experts.parameters, experts.same_experts, plan, reduce_dtype),
         )
-        return TrainingState(split, make_optimizer(params), make_optimizer, True)
+        stepper: torch.optim.Optimizer = make_optimizer(params)
+        if plan.zero == 1 and experts.same_experts is not None:
+            # ZeRO 1 over the ranks holding the same experts: they hold the same dense
+            # parameters too, so every parameter's owner is among them
+            stepper = shard_optimizer(make_optimizer, params, experts.same_experts)
+        return TrainingState(split, stepper, make_optimizer, True)
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
     sync = GradientSync(params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype)

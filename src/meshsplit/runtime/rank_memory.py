@@ -204,7 +204,8 @@ def _fit(
     held = [local_tensor(p) for p in runner.parameters()]  # a sharded parameter: its shard
     low = AUTOCAST_DTYPES[plan.precision]
     copies = 0 if low is None else tensor_bytes(held) * low.itemsize // 4
-    need = optimizer_need(make_optimizer, held, plan.dp if plan.zero == 1 else 1)
+    sharers = plan.dp // plan.ep if plan.zero == 1 else 1  # ZeRO 1 under ep: over dp/ep
+    need = optimizer_need(make_optimizer, held, sharers)
     return fit_budget(
         where=f"rank {dist.get_rank()} ({plan.describe()})",
         budget_bytes=plan.budget_bytes or 0,
