@@ -216,7 +216,8 @@ class Engine:
             )
             if agreed.finite:
                 self.precision.unscale(parts.sync.gradient_tensors())
-                commit_batchnorm(parts.runner.module)
+                if parts.batchnorm:  # a walk over every module: only when there is one
+                    commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
                     parts.optimizer.step()
             else:

@@ -81,7 +81,10 @@ class LocalRunner:
         return self.module.parameters()
 
     def train(self, mode: bool) -> None:
-        self.module.train(mode)
+        """Switch the mode when it differs (a walk over every module, each step otherwise);
+        as in a plain loop, a submodule set apart by hand stays as it was set."""
+        if self.module.training != mode:
+            self.module.train(mode)
 
     def backward_passes(self) -> int:
         return self.micro_batches
