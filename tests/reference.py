@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import meshsplit as ms
@@ -34,6 +36,27 @@ class SkipMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(self.flatten(x))
         return self.head(torch.relu(self.b3(self.b2(self.b1(h))) + h))
+
+
+class TokenMixing(nn.Module):
+    """LayerNorm, Linear 128->512, GELU, Linear 512->128, with a residual: under tp a column
+    and a row split with one all-reduce each way, under pp a stage holding whole blocks."""
+
+    def __init__(self, width: int = 128, hidden: int = 512) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def token_mixing() -> nn.Sequential:
+    """The token mixer of the memory checks: embedding 256 x 128, four blocks, a head."""
+    blocks = [(f"block{i}", TokenMixing()) for i in range(4)]
+    layers = [("embed", nn.Embedding(256, 128)), *blocks, ("head", nn.Linear(128, 256))]
+    return nn.Sequential(OrderedDict(layers))
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {

@@ -4,16 +4,16 @@ for three real steps, and every budget it refuses names one that does."""
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import meshsplit as ms
+
+from reference import token_mixing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,24 +21,9 @@ BUDGET_POINTS = (0.0, 0.03, 0.15, 0.4, 0.7, 1.0)
 """Where each budget lies between the always-recompute need (0) and the never one (1)."""
 
 
-class TokenMixing(nn.Module):
-    """LayerNorm, Linear 128->512, GELU, Linear 512->128, with a residual."""
-
-    def __init__(self, width: int = 128, hidden: int = 512) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 def _token_mixing() -> nn.Module:
     torch.manual_seed(0)
-    blocks = [(f"block{i}", TokenMixing()) for i in range(4)]
-    layers = [("embed", nn.Embedding(256, 128)), *blocks, ("head", nn.Linear(128, 256))]
-    return nn.Sequential(OrderedDict(layers))
+    return token_mixing()
 
 
 def _transformer() -> nn.Module:

@@ -8,43 +8,22 @@ reference models and on Hugging Face models.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import meshsplit as ms
 
 from hf_models import FACTORIES, KINDS
+from reference import token_mixing
 
 pytestmark = pytest.mark.timeout(600)
 
 ROWS = 8
 TOKEN_MODELS = ("transformer", "token_mixing")
 """Reference models that read token ids and predict a token at every position."""
-
-
-class TokenMixing(nn.Module):
-    """LayerNorm, Linear 128->512, GELU, Linear 512->128, with a residual: under tp a column
-    and a row split with one all-reduce each way, under pp a stage holding whole blocks."""
-
-    def __init__(self, width: int = 128, hidden: int = 512) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-def _token_mixing() -> nn.Sequential:
-    blocks = [(f"block{i}", TokenMixing()) for i in range(4)]
-    layers = [("embed", nn.Embedding(256, 128)), *blocks, ("head", nn.Linear(128, 256))]
-    return nn.Sequential(OrderedDict(layers))
 
 
 def _model(name: str) -> nn.Module:
@@ -55,7 +34,7 @@ def _model(name: str) -> nn.Module:
         "mlp": ms.models.mlp,
         "cnn": ms.models.cnn,
         "transformer": ms.models.transformer,
-        "token_mixing": _token_mixing,
+        "token_mixing": token_mixing,
     }[name]()
 
 
