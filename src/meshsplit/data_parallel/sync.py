@@ -142,7 +142,6 @@ def training_state(
     say: parameter servers, FSDP2 shards (zero 2, 3), or all-reduced buckets with the
     optimizer state whole or dealt over dp (zero 1). `parameters` is read after sharding."""
     reduce_dtype = REDUCE_DTYPES[plan.reduce_dtype]
-    scan = plan.nonfinite != "off"
     if plan.sync == "ps":
         client = ps.ParameterClient(parameters(), plan)
         before_exit(client.close)  # the servers wait for every worker's goodbye
@@ -171,7 +170,7 @@ def training_state(
         held = {id(p) for p in experts.parameters}
         dense = [p for p in params if id(p) not in held]
         split = WithExperts(
-            GradientSync(dense, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype),
+            _sync(dense, group, plan, reduce_dtype),
             _sync(experts.parameters, experts.same_experts, plan, reduce_dtype),
         )
         stepper: torch.optim.Optimizer = make_optimizer(params)
@@ -182,7 +181,7 @@ def training_state(
         return TrainingState(split, stepper, make_optimizer, True)
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = GradientSync(params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype)
+    sync = _sync(params, group, plan, reduce_dtype)
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True
