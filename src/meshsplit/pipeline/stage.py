@@ -15,12 +15,14 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from meshsplit.batch import tensors
 from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending
 from meshsplit.pipeline.schedules import Action
+from meshsplit.pipeline.split_backward import WeightWork, input_gradients, weight_gradients
 from meshsplit.precision import Precision
 
 __all__: list[str] = []
@@ -79,8 +81,11 @@ class _InFlight:
     sending: Sending
     loss: torch.Tensor | None = None
     roots: list[torch.Tensor] = field(default_factory=list)
-    """After B of a split backward: what W starts from, with `seeds` (its gradients)."""
+    """After B of a split backward that W re-runs whole: what W starts from, with `seeds`
+    (its gradients)."""
     seeds: list[torch.Tensor | None] = field(default_factory=list)
+    work: WeightWork | None = None
+    """After B of a split backward: the parameter halves W runs."""
 
 
 @dataclass
@@ -193,6 +198,7 @@ class Stage:
         """The autocast forward and loss run in, and the loss scale backward starts from."""
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
+        self._fsdp: bool | None = None
 
     def _key(self, x: Any) -> Hashable:
         """What fixes every shape this micro-batch sends: its input's signature and the mode."""
@@ -237,6 +243,12 @@ class Stage:
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
         step.in_flight[(self.index, micro)] = flight
 
+    def _sharded(self) -> bool:
+        """Whether FSDP2 (ZeRO 2/3) wraps a module of this chunk; asked once."""
+        if self._fsdp is None:
+            self._fsdp = any(isinstance(m, FSDPModule) for m in self.module.modules())
+        return self._fsdp
+
     def _owned(self, value: Any) -> Any:
         """A value of its own: a copy if it lives in a pool buffer that will be reused."""
         owned = isinstance(value, torch.Tensor) and self.exchange.pool.owns(value)
@@ -263,9 +275,12 @@ class Stage:
             if roots:
                 torch.autograd.backward(roots, seeds)
             found = [_grad_of(t) for t in leaves]
+        elif roots and leaves and not self._sharded():
+            found, flight.work = input_gradients(roots, seeds, leaves)
+            roots, seeds = [], []
         elif roots and leaves:
-            # the input gradient only, keeping the graph for W (which the hooks of the
-            # gradient sync wait for: torch.autograd.grad accumulates into no parameter)
+            # FSDP2 reduces a unit's gradients as backward leaves its inputs, which B does
+            # before any weight gradient exists: W re-runs the backward whole
             got = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
             found = [
                 g if g is not None else torch.zeros_like(t)
@@ -289,9 +304,11 @@ class Stage:
             self.exchange.pool.give(buffer)
 
     def weights(self, step: _Step, micro: int) -> None:
-        """W: the backward again over the graph B kept, now accumulating every gradient as a
-        plain backward does (post-accumulate hooks, FSDP2's reductions fire here)."""
+        """W: the weight gradients B left, accumulated as a plain backward does (the
+        parameters' hooks fire here); or the whole backward again, from the roots B kept."""
         flight = step.in_flight.pop((self.index, micro))
+        if flight.work is not None:
+            weight_gradients(flight.work)
         if flight.roots:
             torch.autograd.backward(flight.roots, flight.seeds)
         for buffer in flight.buffers:
