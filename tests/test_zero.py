@@ -84,7 +84,8 @@ def _job() -> dict[str, Any]:
 def _refusal() -> tuple[str, bool]:
     """zero=3 on a model whose one block mixes dtypes: the error, and whether the model was
     left unsharded."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    # block 1 is large enough to be a unit of its own (zero.UNIT_FLOOR_BYTES)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 512))
     model[1].bias.data = model[1].bias.data.double()
     try:
         engine = ms.parallelize(model, ms.Plan(dp=WORKERS, zero=3), optimizer=OPTIMIZERS["sgd"])

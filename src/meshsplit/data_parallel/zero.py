@@ -43,8 +43,14 @@ def shard_optimizer(
     probe = make_optimizer([nn.Parameter(torch.zeros(1))])
     accepted = inspect.signature(type(probe)).parameters
     settings = {key: value for key, value in probe.defaults.items() if key in accepted}
+    # parameters as views of one flat bucket per owner: a broadcast per rank after the step,
+    # not one per parameter (38 -> 2 for the reference transformer at dp=2)
     return ZeroRedundancyOptimizer(
-        params, optimizer_class=type(probe), process_group=group, **settings
+        params,
+        optimizer_class=type(probe),
+        process_group=group,
+        parameters_as_bucket_view=True,
+        **settings,
     )
 
 
@@ -147,11 +153,21 @@ def _check_gatherable(params: list[nn.Parameter], name: str, stage: int) -> None
         )
 
 
+UNIT_FLOOR_BYTES = 2**20
+"""A unit's parameters below this ride with the root: each unit costs a gather and a
+reduction of fixed cost (about a millisecond on gloo, with FSDP2's hooks) that saves less
+memory than it costs time; between steps they are sharded all the same."""
+
+
 def _large(module: nn.Module, units: list[str]) -> list[str]:
-    """The units holding at least 1/(2n) of the parameters of all n units."""
-    sizes = {u: sum(p.numel() for p in module.get_submodule(u).parameters()) for u in units}
+    """The units holding at least 1/(2n) of the parameters of all n units, and at least
+    UNIT_FLOOR_BYTES."""
+    sizes = {
+        u: sum(p.numel() * p.element_size() for p in module.get_submodule(u).parameters())
+        for u in units
+    }
     total = sum(sizes.values())
-    return [u for u in units if sizes[u] * 2 * len(units) >= total]
+    return [u for u in units if sizes[u] * 2 * len(units) >= total and sizes[u] >= UNIT_FLOOR_BYTES]
 
 
 def _exclusive(module: nn.Module, units: list[str], whole: set[int]) -> list[str]:
