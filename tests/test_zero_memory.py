@@ -140,7 +140,7 @@ def _collectives_per_step(stage: int) -> dict[str, int]:
     """The collectives one steady train_step of the CNN at dp=2 calls, by name."""
     counts: dict[str, int] = {}
     patched = {}
-    for name in (gather.ALL_GATHER, gather.REDUCE_SCATTER, "all_reduce"):
+    for name in (gather.ALL_GATHER, gather.REDUCE_SCATTER, "all_reduce", "batch_isend_irecv"):
         original = getattr(dist, name)
 
         def counted(*args: Any, _name: str = name, _call: Any = original, **kwargs: Any) -> Any:
@@ -167,10 +167,12 @@ def _collectives_per_step(stage: int) -> dict[str, int]:
 
 def test_zero_3_gathers_the_last_block_once_and_reduces_by_all_reduce() -> None:
     """The CNN's units are fc1 (99% of its parameters) and the root (the small layers): fc1's
-    forward gather serves its backward too, and gloo's reduce-scatter (a clone and an
-    all-reduce inside) gives way to an all-reduce of FSDP2's own buffer."""
+    forward gather serves its backward too; gloo's all-gather gives way to the pairs of
+    ranks exchanging their shards, and its reduce-scatter (a clone and an all-reduce inside)
+    to an all-reduce of FSDP2's own buffer."""
     per_rank = ms.launch(_collectives_per_step, 2, args=(3,), timeout_s=300)
     for counts in per_rank:
-        assert counts.get(gather.ALL_GATHER, 0) == 2, counts  # root and fc1, forward only
+        assert counts.get("batch_isend_irecv", 0) == 2, counts  # root and fc1, forward only
+        assert counts.get(gather.ALL_GATHER, 0) == 0, counts
         assert counts.get(gather.REDUCE_SCATTER, 0) == 0, counts
         assert counts.get("all_reduce", 0) == 3, counts  # fc1, the root, the loss
