@@ -132,7 +132,7 @@ def choose_plan(
     for prediction in ranking.rows:
         plan = _pinned(prediction)
         memory, source = _per_rank(prediction), "model"
-        if len(rows) < estimate_top:
+        if len(rows) < estimate_top and plan.sync != "ps":  # the estimate covers allreduce
             try:
                 estimate = estimate_memory(
                     model, plan, example_batch, optimizer=optimizer, loss_fn=loss_fn

@@ -2,8 +2,10 @@
 
 Pure arithmetic on measured items, so every plan is priced without running it. Per micro-batch,
 stage s costs F_s = Σ forward(r) + tp_f(r) and B_s = Σ backward(r) + tp_b(r) [+ F_s if
-recomputed]; the schedule's actions, run stage by stage, give the pipeline's makespan, which dp
-traffic, the optimizer and cores shared by the workers then lengthen. `terms` splits the step
+recomputed]; the schedule's own actions, run chunk by chunk (`schedule_cost.py`: v chunks per
+rank when interleaved, backward split into B and W under zero bubble), give the pipeline's
+makespan, which dp traffic (or the parameter servers' push and pull, `ps_cost.py`), the
+optimizer and cores shared by the workers then lengthen. `terms` splits the step
 into what the busiest rank spends. Precision is priced where it acts: compute, saved
 activations and tp traffic are the workload's, measured under the plan's autocast; stage
 messages travel in the wire dtype (2 bytes per floating value under mixed precision) and
@@ -19,12 +21,23 @@ from dataclasses import dataclass, field
 
 from meshsplit.memory.recompute import recomputes
 from meshsplit.pipeline.p2p import wire_dtype
-from meshsplit.pipeline.partition import balance
-from meshsplit.pipeline.schedules import Action, max_in_flight, schedule
+from meshsplit.pipeline.schedules import Schedule
 from meshsplit.plan import Plan
 from meshsplit.planner.dp_cost import dp_bytes, dp_s, reduce_share
 from meshsplit.planner.expert_cost import dispatch_bytes, dispatch_s, held_expert_bytes
 from meshsplit.planner.machine import Machine
+from meshsplit.planner.ps_cost import exchange_s, server_bytes, server_optimizer_s
+from meshsplit.planner.schedule_cost import (
+    WEIGHT_SHARE,
+    Interval,
+    ends,
+    peak_held,
+    plan_actions,
+    replay,
+    splits_backward,
+    stage_sizes,
+)
+from meshsplit.planner.schedule_cost import simulate_pipeline as simulate_pipeline
 from meshsplit.planner.workload import Item, Traffic, Workload
 
 __all__: list[str] = []
@@ -44,17 +57,6 @@ TERMS = (
 """The parts of a predicted step, in the order they are shown; they sum to the step time."""
 
 
-@dataclass(frozen=True)
-class Interval:
-    """One predicted action of the pipeline: stage, 'F' or 'B', micro-batch, start and end."""
-
-    stage: int
-    kind: str
-    micro: int
-    start_s: float
-    end_s: float
-
-
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
     """What the cost model says of one plan."""
@@ -63,27 +65,20 @@ class Prediction:
     step_time_s: float
     terms: dict[str, float]
     stages: tuple[int, ...]
-    """Items per stage."""
+    """Items per stage (per chunk when interleaved: chunk c runs on pipeline rank c % pp)."""
     memory_bytes: tuple[int, ...]
     """Modelled peak live bytes per stage (every dp and tp rank of a stage alike)."""
+    server_bytes: int = 0
+    """Modelled bytes each parameter server holds (sync='ps'; 0 without servers)."""
     bytes_per_step: dict[str, float]
-    """Payload one rank of the slowest stage sends per step, per axis (tp, pp, dp, ep)."""
+    """Payload one rank of the slowest stage sends per step, per axis (tp, pp, dp, ep; dp is
+    a worker's gradient push under sync='ps')."""
     critical_stage: int
     intervals: tuple[Interval, ...] = field(default=(), repr=False)
 
 
 def rows_per_micro_batch(plan: Plan, global_rows: int) -> float:
     return global_rows / (plan.dp * plan.micro_batches)
-
-
-def stage_sizes(items: Sequence[Item], plan: Plan, rows: float) -> tuple[int, ...]:
-    """The plan's stages, or the split the engine balances on these costs."""
-    if plan.stages is not None:
-        return tuple(plan.stages)
-    if plan.pp == 1:
-        return (len(items),)
-    costs = [item.forward.at(rows) + item.backward.at(rows) for item in items]
-    return balance(costs, plan.pp, [item.trainable for item in items])
 
 
 def _traffic_s(
@@ -113,9 +108,10 @@ def _message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
 
 
 def _stretch(machine: Machine, plan: Plan) -> float:
-    """How much the whole step stretches when the plan's workers fill the host's cores."""
-    if machine.cores is not None and plan.world_size >= machine.cores:
-        return machine.slowdown(plan.world_size)
+    """How much the whole step stretches when the plan's workers fill the host's cores (not
+    its parameter servers: they wait in a receive while the workers compute)."""
+    if machine.cores is not None and plan.mesh_size >= machine.cores:
+        return machine.slowdown(plan.mesh_size)
     return 1.0
 
 
@@ -165,6 +161,11 @@ class _Stage:
     def b(self) -> float:
         return self.backward_s + self.tp_backward_s + self.ep_backward_s + self.recompute_s
 
+    def weight_s(self, split: bool) -> float:
+        """W of one micro-batch: the weight-gradient share of the backward's compute when
+        the schedule runs it apart (then B is the rest), else nothing."""
+        return WEIGHT_SHARE * self.backward_s if split else 0.0
+
     def gradients(self) -> dict[str, float]:
         """What the dp gradient sync moves of this stage, as `dp_cost.py` takes it."""
         return {
@@ -175,14 +176,26 @@ class _Stage:
         }
 
 
+def _merged(chunks: list[_Stage]) -> _Stage:
+    """One rank's chunks as one stage: times, bytes and messages added, the largest kept."""
+    rank = _Stage()
+    for chunk in chunks:
+        for name, value in vars(chunk).items():
+            old = getattr(rank, name)
+            setattr(rank, name, max(old, value) if name.startswith("largest") else old + value)
+    return rank
+
+
 def _stages(
     workload: Workload, machine: Machine, plan: Plan, rows: float, sizes: tuple[int, ...]
 ) -> list[_Stage]:
+    """Each chunk's (each stage's, one chunk per rank) costs per micro-batch and bytes."""
     items = workload.items[plan.tp]
     stretch = _stretch(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    last = len(sizes) - 1
     stages = []
-    for s in range(plan.pp):
+    for s in range(len(sizes)):
         run, stage = items[starts[s] : starts[s + 1]], _Stage()
         for item in run:
             stage.forward_s += _compute_s(machine, item, rows, backward=False)
@@ -205,14 +218,14 @@ def _stages(
             stage.largest_unit_bytes = max(stage.largest_unit_bytes, held)
             stage.saved_bytes += item.saved_bytes_per_row * rows
             stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
-        if s == plan.pp - 1:
+        if s == last:
             stage.forward_s += workload.loss_forward.at(rows)
             stage.backward_s += workload.loss_backward.at(rows)
-        if recomputes(plan.recompute, s, plan.pp):
+        if recomputes(plan.recompute, s % plan.pp, plan.pp):
             stage.recompute_s = stage.forward_s + stage.tp_forward_s + stage.ep_forward_s
         if s > 0:
             stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
-        if s < plan.pp - 1:
+        if s < last:
             stage.send_bytes = _message_bytes(run[-1], plan) * rows
             stage.send_s = _message_s(machine, plan, stage.send_bytes)
         dense = stage.trainable_bytes - stage.expert_trainable_bytes
@@ -232,48 +245,6 @@ def _message_bytes(item: Item, plan: Plan) -> float:
     return item.compact_output_bytes_per_row
 
 
-def simulate_pipeline(
-    actions: list[list[Action]],
-    forward_s: Sequence[float],
-    backward_s: Sequence[float],
-    send_s: Sequence[float],
-) -> list[Interval]:
-    """Run each stage's action list in order: F(s, j) after F(s-1, j) and its message, B(s, j)
-    after B(s+1, j) and its message (the last stage after its own F(s, j))."""
-    stages = len(actions)
-    done: dict[tuple[int, str, int], float] = {}
-    clock, position = [0.0] * stages, [0] * stages
-    intervals: list[Interval] = []
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            while position[s] < len(actions[s]):
-                action = actions[s][position[s]]
-                if action.kind == "F":
-                    before = (s - 1, "F", action.micro) if s > 0 else None
-                    delay = send_s[s - 1] if s > 0 else 0.0
-                    length = forward_s[s]
-                else:
-                    last = s == stages - 1
-                    before = (s, "F", action.micro) if last else (s + 1, "B", action.micro)
-                    delay = 0.0 if last else send_s[s]
-                    length = backward_s[s]
-                if before is not None and before not in done:
-                    break
-                ready = done[before] + delay if before is not None else 0.0
-                start = max(clock[s], ready)
-                clock[s] = start + length
-                done[(s, action.kind, action.micro)] = clock[s]
-                intervals.append(Interval(s, action.kind, action.micro, start, clock[s]))
-                position[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the schedule waits on an action that never runs")
-    return intervals
-
-
 def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     """Step time, its terms and per-stage memory of `plan` (tp must be a measured width,
     and the workload measured under the plan's precision)."""
@@ -284,32 +255,37 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         )
     rows = rows_per_micro_batch(plan, workload.global_rows)
     sizes = stage_sizes(workload.items[plan.tp], plan, rows)
-    stages = _stages(workload, machine, plan, rows, sizes)
+    chunks = _stages(workload, machine, plan, rows, sizes)
+    stages = [_merged(chunks[r :: plan.pp]) for r in range(plan.pp)]
     m = plan.micro_batches
-    actions = schedule(plan.schedule, plan.pp, m)
-    sends = [st.send_s for st in stages]
-    intervals = simulate_pipeline(actions, [st.f for st in stages], [st.b for st in stages], sends)
-    quiet = simulate_pipeline(
-        actions, [st.f for st in stages], [st.b for st in stages], [0.0] * plan.pp
+    actions = plan_actions(plan)
+    split = splits_backward(actions)
+    times = (
+        [c.f for c in chunks],
+        [c.b - c.weight_s(split) for c in chunks],
+        [c.send_s for c in chunks],
+        [c.weight_s(split) for c in chunks],
     )
-    finish = [max(i.end_s for i in intervals if i.stage == s) for s in range(plan.pp)]
-    finish_quiet = [max(i.end_s for i in quiet if i.stage == s) for s in range(plan.pp)]
+    intervals = replay(plan, *times)
+    quiet = replay(plan, times[0], times[1], [0.0] * len(chunks), times[3])
+    finish, finish_quiet = ends(intervals, plan.pp), ends(quiet, plan.pp)
     # a collective on a host whose cores are all computing waits for one: no overlap there
-    overlap = 0.0 if machine.cores is not None and plan.world_size >= machine.cores else 1.0
+    overlap = 0.0 if machine.cores is not None and plan.mesh_size >= machine.cores else 1.0
+    ps = plan.sync == "ps"
     totals = []
     for s, st in enumerate(stages):
-        dp_exposed = dp_s(machine, plan, overlap_s=overlap * st.b, **st.gradients())
-        shard = plan.dp if plan.zero else 1
-        optimizer = workload.optimizer_s_per_byte * st.trainable_bytes / shard
+        dp_exposed, optimizer = _sync_s(workload, machine, plan, st, overlap * st.b)
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
     path = max(total for total, _, _ in totals) + workload.step_overhead_s
-    busy = sum(m * (st.f + st.b) + totals[s][1] + totals[s][2] for s, st in enumerate(stages)) * (
-        plan.dp * plan.tp
+    # every worker's work, and the servers' optimizer steps (a worker steps none under ps)
+    work = sum(
+        m * (st.f + st.b) + t[1] + t[2] * (not ps) for st, t in zip(stages, totals, strict=True)
     )
+    busy = work * plan.dp * plan.tp + plan.server_count * totals[0][2]
     step = path * _stretch(machine, plan)  # every core busy: waits and work all stretch
     if machine.cores is not None:
-        slowdown = machine.slowdown(plan.world_size)
-        step = max(step, busy * slowdown / plan.world_size + workload.step_overhead_s)
+        slowdown = machine.slowdown(plan.mesh_size)
+        step = max(step, busy * slowdown / plan.mesh_size + workload.step_overhead_s)
     critical = max(range(plan.pp), key=lambda s: stages[s].f + stages[s].b)
     st = stages[critical]
     _, dp_exposed, optimizer = totals[critical]
@@ -332,11 +308,16 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         step_time_s=step,
         terms=terms,
         stages=sizes,
-        memory_bytes=tuple(_memory(workload, plan, stages, actions, s) for s in range(plan.pp)),
+        memory_bytes=tuple(
+            _memory(workload, plan, chunks, stages, actions, r) for r in range(plan.pp)
+        ),
+        server_bytes=(
+            server_bytes(plan, st.trainable_bytes, workload.optimizer_state_per_byte) if ps else 0
+        ),
         bytes_per_step={
             "tp": m * st.tp_bytes,
             "pp": 2 * m * (st.send_bytes + st.input_bytes),
-            "dp": dp_bytes(plan, **st.gradients()),
+            "dp": st.reduced_bytes if ps else dp_bytes(plan, **st.gradients()),
             "ep": m * st.ep_bytes,
         },
         critical_stage=critical,
@@ -344,20 +325,50 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     )
 
 
-def _memory(
-    workload: Workload, plan: Plan, stages: list[_Stage], actions: list[list[Action]], s: int
-) -> int:
-    """Parameters, gradients, optimizer state, activations in flight, receive buffers and the
-    largest temporary of stage `s` (the estimate of `simulate.py` measures it exactly)."""
-    st = stages[s]
+def _sync_s(
+    workload: Workload, machine: Machine, plan: Plan, st: _Stage, overlap_s: float
+) -> tuple[float, float]:
+    """(exposed sync, optimizer) seconds of a stage's replicas after backward: the dp reduce
+    and its own optimizer step (1/dp of it under zero), or under sync='ps' the push and pull
+    to the servers and the servers' optimizer step (`ps_cost.py`)."""
+    if plan.sync == "ps":
+        loaded = machine.message_s.get(plan.world_size, 0.0) / _stretch(machine, plan)
+        pushed, trainable = st.reduced_bytes, float(st.trainable_bytes)
+        return (
+            exchange_s(machine, plan, pushed=pushed, trainable=trainable, message_s=loaded),
+            server_optimizer_s(plan, trainable, workload.optimizer_s_per_byte),
+        )
     shard = plan.dp if plan.zero else 1
-    in_flight = 1 if plan.pp == 1 else max_in_flight(actions[s])
-    recomputed = recomputes(plan.recompute, s, plan.pp)
-    saved = st.input_bytes + st.largest_output if recomputed else st.saved_bytes
-    activations = in_flight * saved + (st.saved_bytes if recomputed else 0.0)
-    buffers = 2 * in_flight * (st.input_bytes + st.send_bytes)
-    state = _state_bytes(plan, st) + workload.optimizer_state_per_byte * st.trainable_bytes / shard
-    return int(state + activations + buffers + 2 * st.largest_output)
+    exposed = dp_s(machine, plan, overlap_s=overlap_s, **st.gradients())
+    return exposed, workload.optimizer_s_per_byte * st.trainable_bytes / shard
+
+
+def _memory(
+    workload: Workload,
+    plan: Plan,
+    chunks: list[_Stage],
+    stages: list[_Stage],
+    actions: Schedule,
+    r: int,
+) -> int:
+    """Parameters, gradients, optimizer state (none on a worker under sync='ps': the servers
+    hold it), activations in flight, receive buffers and the largest temporary of pipeline
+    rank `r`, whose in-flight micro-batches the schedule counts chunk by chunk (the estimate
+    of `simulate.py` measures it exactly)."""
+    st = stages[r]
+    shard = plan.dp if plan.zero else 1
+    recomputed = recomputes(plan.recompute, r, plan.pp)
+    held = [
+        (c.input_bytes + c.largest_output if recomputed else c.saved_bytes)
+        + 2 * (c.input_bytes + c.send_bytes)
+        for c in chunks
+    ]
+    activations = peak_held(actions[r], r, held)
+    if recomputed:  # one chunk's forward is redone at a time, its activations whole
+        activations += max(c.saved_bytes for c in chunks[r :: plan.pp])
+    optimizer = 0.0 if plan.sync == "ps" else workload.optimizer_state_per_byte / shard
+    state = _state_bytes(plan, st) + optimizer * st.trainable_bytes
+    return int(state + activations + 2 * st.largest_output)
 
 
 def _state_bytes(plan: Plan, st: _Stage) -> float:

@@ -5,12 +5,14 @@ gives that term's seconds and, for communication, the bytes behind them, e.g.
 "tp=4: 22.0 MiB of activation all-reduce over tp per step, about 41 ms, against 12 ms of
 compute saved (step 95 ms, best 60 ms)". Where the two plans split the experts differently
 (Plan.ep), a clause weighs the all-to-alls against the gradient all-reduce they save, or
-says what the best plan's expert split holds, sums and sends.
+says what the best plan's expert split holds, sums and sends. Under parameter servers the
+dp sentence names the push and pull instead of the all-reduce.
 """
 
 from __future__ import annotations
 
 from meshsplit.memory.tracker import format_bytes
+from meshsplit.plan import Plan
 from meshsplit.planner.cost import TERMS, Prediction
 from meshsplit.planner.machine import Machine
 
@@ -50,8 +52,13 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
             f"over tp={plan.tp} per step, about {_ms(terms['communication_tp'])}, {saving}"
         ),
         "communication_dp": (
-            f"{format_bytes(row.bytes_per_step['dp'])} of gradient all-reduce over dp={plan.dp} "
-            f"per step, {_ms(terms['communication_dp'])} of it not hidden behind backward"
+            f"{format_bytes(row.bytes_per_step['dp'])} of gradients pushed to "
+            f"{plan.server_count} parameter server(s) per worker per step and the parameters "
+            f"pulled back, about {_ms(terms['communication_dp'])}, none of it behind backward"
+            if plan.sync == "ps"
+            else f"{format_bytes(row.bytes_per_step['dp'])} of gradient all-reduce over "
+            f"dp={plan.dp} per step, {_ms(terms['communication_dp'])} of it not hidden behind "
+            "backward"
         ),
         "communication_ep": (
             f"{format_bytes(row.bytes_per_step['ep'])} of tokens sent to their experts and "
@@ -65,7 +72,7 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
         "bubble": (
             f"a pipeline bubble of {_ms(terms['bubble'])} "
             f"({100 * terms['bubble'] / row.step_time_s:.0f}% of its step) with "
-            f"{plan.micro_batches} micro-batches over {plan.pp} stages"
+            f"{plan.micro_batches} micro-batches over {plan.pp} stages ({_schedule(plan)})"
         ),
         "recompute": (f"recomputing the forward ({plan.recompute}) adds {_ms(terms['recompute'])}"),
         "compute": (
@@ -73,7 +80,7 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
             f"{_ms(best.terms['compute'])} on the best plan's"
         ),
         "sharing": (
-            f"{plan.world_size} workers share {machine.cores} cores, "
+            f"{plan.mesh_size} workers share {machine.cores} cores, "
             f"{_ms(terms['sharing'])} beyond its critical path"
         ),
         "optimizer": (
@@ -86,6 +93,13 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
         f"{plan.describe()}: {sentences[term]}{_expert_split(row, best, term)} "
         f"(step {_ms(row.step_time_s)}, best {_ms(best.step_time_s)})"
     )
+
+
+def _schedule(plan: Plan) -> str:
+    """The schedule as the bubble sentence names it: interleaving's chunks per rank too."""
+    if plan.virtual_stages > 1:
+        return f"{plan.schedule}, {plan.virtual_stages} chunks per rank"
+    return plan.schedule
 
 
 def _expert_split(row: Prediction, best: Prediction, term: str) -> str:

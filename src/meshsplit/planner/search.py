@@ -2,8 +2,12 @@
 
 The space: dp x pp x tp = N over the tp widths the model can take; for a model with experts,
 ep over every divisor of dp that divides the experts; micro-batches (pp, 2pp, 4pp, ... while
-they divide the replica's rows; 1 without a pipeline); both schedules; recompute never,
-except the last stage, always; optimizer state whole or sharded over dp (whole under ep).
+they divide the replica's rows; 1 without a pipeline); schedules 1f1b, gpipe, zero-bubble and
+interleaved with v = 2 or 4 chunks per rank where the model has a trainable item for each of
+the pp * v chunks; recompute never, except the last stage, always; optimizer state whole or
+sharded over dp (whole under ep). Beside them, parameter servers at staleness 0: dp = N - S
+workers (at least two) and S = 1 or 2 servers (`ps_cost.py`), whole models with no layer or
+operator split.
 A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
 the model has fewer trainable items than stages, a layer does not split that wide) or when
 its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
@@ -20,6 +24,7 @@ from meshsplit.plan import Plan, divisors
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.expert_cost import ep_widths
 from meshsplit.planner.machine import Machine
+from meshsplit.planner.schedule_cost import VIRTUAL_STAGES
 from meshsplit.planner.workload import Workload
 
 __all__: list[str] = []
@@ -40,14 +45,22 @@ def micro_batch_options(plan: Plan, replica_rows: int, budget: bool) -> list[int
     return [m for m in wanted if m <= replica_rows and replica_rows % m == 0]
 
 
-def _variants(plan: Plan) -> list[Plan]:
-    """Schedules, recompute and zero for one (dp, pp, tp, ep, m); zero only without ep."""
-    schedules = ("1f1b", "gpipe") if plan.pp > 1 else ("1f1b",)
+SERVERS = (1, 2)
+"""Parameter-server counts the search tries (each takes one of the devices, and at least two
+workers are left: servers serve several)."""
+
+
+def _variants(plan: Plan, trainable: int) -> list[Plan]:
+    """Schedules (with chunks per rank), recompute and zero for one (dp, pp, tp, ep, m) of a
+    model with `trainable` trainable items; zero only without ep or servers."""
+    schedules = [(s, 1) for s in ("1f1b", "gpipe", "zero-bubble")] if plan.pp > 1 else [("1f1b", 1)]
+    if plan.pp > 1 and plan.micro_batches % plan.pp == 0:
+        schedules += [("interleaved", v) for v in VIRTUAL_STAGES if plan.pp * v <= trainable]
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
-    zeros = (0, 1, 2, 3) if plan.dp > 1 and plan.ep == 1 else (0,)
+    zeros = (0, 1, 2, 3) if plan.dp > 1 and plan.ep == 1 and plan.sync != "ps" else (0,)
     return [
-        replace(plan, schedule=s, recompute=c, zero=z)
-        for s in schedules
+        replace(plan, schedule=s, virtual_stages=v, recompute=c, zero=z)
+        for s, v in schedules
         for c in checkpoints
         for z in zeros
     ]
@@ -68,38 +81,50 @@ def search(
     budget = common.budget_bytes
     rows: list[Prediction] = []
     infeasible: list[tuple[Plan, str]] = []
-    for dp in divisors(devices):
-        for pp in divisors(devices // dp):
-            tp = devices // (dp * pp)
-            shape = replace(common, dp=dp, pp=pp, tp=tp)
-            reason = _shape_refusal(workload, shape)
-            if reason is not None:
-                infeasible.append((shape, reason))
-                continue
-            replica_rows = workload.global_rows // dp
-            options = micro_batch_options(shape, replica_rows, budget is not None)
-            if not options:
-                infeasible.append(
-                    (shape, f"{replica_rows} rows per replica do not split into micro-batches "
-                     f"for pp={pp}; use a global batch divisible by {dp * pp}")
-                )  # fmt: skip
-                continue
-            least = None  # the smallest per-rank need of this shape, for the refusal
-            for m in _runnable(workload, shape, options, replica_rows, infeasible):
-                for ep in [1, *ep_widths(workload, dp)]:
-                    for plan in _variants(replace(shape, micro_batches=m, ep=ep)):
-                        prediction = predict(workload, machine, plan)
-                        need = max(prediction.memory_bytes)
-                        least = need if least is None else min(least, need)
-                        if budget is None or need <= budget:
-                            rows.append(prediction)
-            if budget is not None and least is not None and least > budget:
-                infeasible.append(
-                    (shape, f"memory: needs at least {format_bytes(least)} per rank, over the "
-                     f"budget of {format_bytes(budget)}")
-                )  # fmt: skip
+    for shape in _shapes(common, devices):
+        dp, pp = shape.dp, shape.pp
+        reason = _shape_refusal(workload, shape)
+        if reason is not None:
+            infeasible.append((shape, reason))
+            continue
+        replica_rows = workload.global_rows // dp
+        options = micro_batch_options(shape, replica_rows, budget is not None)
+        if not options:
+            infeasible.append(
+                (shape, f"{replica_rows} rows per replica do not split into micro-batches "
+                 f"for pp={pp}; use a global batch divisible by {dp * pp}")
+            )  # fmt: skip
+            continue
+        trainable = sum(item.trainable for item in workload.items[shape.tp])
+        widths = [] if shape.sync == "ps" else ep_widths(workload, dp)
+        least = None  # the smallest per-rank need of this shape, for the refusal
+        for m in _runnable(workload, shape, options, replica_rows, infeasible):
+            for ep in [1, *widths]:
+                for plan in _variants(replace(shape, micro_batches=m, ep=ep), trainable):
+                    prediction = predict(workload, machine, plan)
+                    need = max(*prediction.memory_bytes, prediction.server_bytes)
+                    least = need if least is None else min(least, need)
+                    if budget is None or need <= budget:
+                        rows.append(prediction)
+        if budget is not None and least is not None and least > budget:
+            infeasible.append(
+                (shape, f"memory: needs at least {format_bytes(least)} per rank, over the "
+                 f"budget of {format_bytes(budget)}")
+            )  # fmt: skip
     rows.sort(key=lambda p: (p.step_time_s, _simplicity(p.plan)))
     return Ranking(rows=rows, infeasible=infeasible)
+
+
+def _shapes(common: Plan, devices: int) -> list[Plan]:
+    """Every dp x pp x tp = devices, then dp = devices - S >= 2 workers beside S servers."""
+    shapes = [
+        replace(common, dp=dp, pp=pp, tp=devices // (dp * pp))
+        for dp in divisors(devices)
+        for pp in divisors(devices // dp)
+    ]
+    return shapes + [
+        replace(common, dp=devices - s, sync="ps", servers=s) for s in SERVERS if devices - s >= 2
+    ]
 
 
 def _runnable(
@@ -126,9 +151,9 @@ def _runnable(
 
 
 def _simplicity(plan: Plan) -> tuple[int, int, int, int]:
-    """Ties go to the plan with fewer moving parts."""
+    """Ties go to the plan with fewer moving parts (servers are one more)."""
     return (
-        sum(n > 1 for n in (plan.dp, plan.pp, plan.tp, plan.ep)),
+        sum(n > 1 for n in (plan.dp, plan.pp, plan.tp, plan.ep)) + (plan.sync == "ps"),
         plan.recompute != "never",
         int(plan.zero),
         plan.micro_batches,

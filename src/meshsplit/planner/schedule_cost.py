@@ -1,0 +1,184 @@
+"""A pipeline schedule run on priced chunks: the planner replays the runtime's own action lists.
+
+Numbers in, numbers out, so every schedule is priced without processes. A plan's model is cut
+into C = pp * v chunks (v = Plan.virtual_stages; rank r holds chunks r, r+pp, ...), each with
+per-micro-batch times F_c, B_c (and W_c when the schedule splits backward) and a message
+time to chunk c+1. Interleaving makes each chunk 1/v of a stage, so the bubble shrinks to
+about (p-1)/(v*m) of the compute for v times the messages; zero bubble (ZB-H1) prices B as the
+input-gradient half of backward (with its collectives and any recompute) and W as the
+weight-gradient half, run late to fill the cool-down.
+Rationale: docs/planner.md#schedules-and-parameter-servers
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshsplit.pipeline.partition import balance
+from meshsplit.pipeline.schedules import Action, Schedule, schedule
+from meshsplit.plan import Plan
+from meshsplit.planner.workload import Item
+
+__all__: list[str] = []
+
+WEIGHT_SHARE = 0.5
+"""Of a chunk's backward compute, what the weight gradients take (W under zero bubble): a
+Linear's backward is two matmuls of the forward's size, one for each gradient."""
+
+VIRTUAL_STAGES = (2, 4)
+"""Chunks per rank the search tries under schedule='interleaved', where the model has a
+trainable item for each of the pp * v chunks."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One predicted action of the pipeline: rank, 'F', 'B' or 'W', micro-batch, start and
+    end, and the chunk (None: the rank's only one)."""
+
+    stage: int
+    kind: str
+    micro: int
+    start_s: float
+    end_s: float
+    chunk: int | None = None
+
+
+def stage_sizes(items: Sequence[Item], plan: Plan, rows: float) -> tuple[int, ...]:
+    """The plan's stages (chunks when interleaved), or the split the engine balances on
+    these costs."""
+    if plan.stages is not None:
+        return tuple(plan.stages)
+    if plan.pp == 1:
+        return (len(items),)
+    costs = tuple(item.forward.at(rows) + item.backward.at(rows) for item in items)
+    trainable = tuple(item.trainable for item in items)
+    return _balanced(costs, plan.pp * plan.virtual_stages, trainable, plan.virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced(
+    costs: tuple[float, ...], chunks: int, trainable: tuple[bool, ...], virtual_stages: int
+) -> tuple[int, ...]:
+    """`balance`, once per split: the search prices many plans on the same one."""
+    return balance(costs, chunks, trainable, virtual_stages=virtual_stages)
+
+
+def plan_actions(plan: Plan) -> Schedule:
+    """Each rank's actions in the order the runtime runs them (`pipeline/schedules.py`)."""
+    return _actions(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _actions(name: str, stages: int, micro_batches: int, virtual_stages: int) -> Schedule:
+    """The named schedule, built once (the search prices it under many options)."""
+    return schedule(name, stages, micro_batches, virtual_stages)
+
+
+def replay(
+    plan: Plan,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    send_s: Sequence[float],
+    weight_s: Sequence[float],
+) -> tuple[Interval, ...]:
+    """`simulate_pipeline` of the plan's schedule on these chunk times, once per times (ZeRO
+    stages and other options that leave them alone share it)."""
+    key = (plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+    return _replayed(key, tuple(forward_s), tuple(backward_s), tuple(send_s), tuple(weight_s))
+
+
+@functools.lru_cache(maxsize=256)
+def _replayed(
+    key: tuple[str, int, int, int],
+    forward_s: tuple[float, ...],
+    backward_s: tuple[float, ...],
+    send_s: tuple[float, ...],
+    weight_s: tuple[float, ...],
+) -> tuple[Interval, ...]:
+    """The cached body of `replay`: its arguments hashable."""
+    return tuple(simulate_pipeline(_actions(*key), forward_s, backward_s, send_s, weight_s))
+
+
+def splits_backward(actions: Schedule) -> bool:
+    """Whether the schedule runs weight gradients (W) apart from the input gradients (B)."""
+    return any(action.kind == "W" for row in actions for action in row)
+
+
+def simulate_pipeline(
+    actions: Schedule,
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    send_s: Sequence[float],
+    weight_s: Sequence[float] | None = None,
+) -> list[Interval]:
+    """Run each rank's action list in order, with times per chunk: F(c, j) after F(c-1, j)
+    and the message from chunk c-1, B(c, j) after B(c+1, j) and its message back (the last
+    chunk after its own F(c, j)), W(c, j) after B(c, j). A rank's only chunk is its own index."""
+    chunks = len(forward_s)
+    weights = [0.0] * chunks if weight_s is None else weight_s
+    lengths = {"F": forward_s, "B": backward_s, "W": weights}
+    done: dict[tuple[int, str, int], float] = {}
+    clock, position = [0.0] * len(actions), [0] * len(actions)
+    intervals: list[Interval] = []
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for rank, row in enumerate(actions):
+            while position[rank] < len(row):
+                action = row[position[rank]]
+                c = rank if action.chunk is None else action.chunk
+                before, delay = _after(action, c, chunks, send_s)
+                if before is not None and before not in done:
+                    break
+                ready = done[before] + delay if before is not None else 0.0
+                start = max(clock[rank], ready)
+                clock[rank] = start + lengths[action.kind][c]
+                done[(c, action.kind, action.micro)] = clock[rank]
+                intervals.append(
+                    Interval(rank, action.kind, action.micro, start, clock[rank], action.chunk)
+                )
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule waits on an action that never runs")
+    return intervals
+
+
+def ends(intervals: Sequence[Interval], ranks: int) -> list[float]:
+    """When each rank's last action ends, in one pass (the search prices thousands)."""
+    finish = [0.0] * ranks
+    for interval in intervals:
+        finish[interval.stage] = max(finish[interval.stage], interval.end_s)
+    return finish
+
+
+def _after(
+    action: Action, chunk: int, chunks: int, send_s: Sequence[float]
+) -> tuple[tuple[int, str, int] | None, float]:
+    """The action `action` on `chunk` waits for, and the message time after it."""
+    if action.kind == "F":
+        return ((chunk - 1, "F", action.micro), send_s[chunk - 1]) if chunk else (None, 0.0)
+    if action.kind == "W":
+        return (chunk, "B", action.micro), 0.0
+    if chunk == chunks - 1:
+        return (chunk, "F", action.micro), 0.0
+    return (chunk + 1, "B", action.micro), send_s[chunk]
+
+
+def peak_held(actions: list[Action], rank: int, held: Sequence[float]) -> float:
+    """Most bytes `rank` holds for micro-batches in flight, `held[c]` for each on chunk c
+    (chunk `rank` when the rank has one): from F until B, or until W when the schedule has
+    one (B frees only part of them then; W reads the rest)."""
+    weights = {(a.chunk, a.micro) for a in actions if a.kind == "W"}
+    live = peak = 0.0
+    for action in actions:
+        size = held[rank if action.chunk is None else action.chunk]
+        if action.kind == "F":
+            live += size
+        elif (action.kind == "W") == ((action.chunk, action.micro) in weights):
+            live -= size
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,183 @@
+"""The planner prices every pipeline schedule and parameter servers, on made-up numbers.
+
+Interleaving and zero bubble are priced by replaying the runtime's own action lists; the
+parameter servers by their push, pull and optimizer step. No worker processes: pure pricing
+(one `choose_plan` measures a small model in this process).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import meshsplit as ms
+from meshsplit.pipeline.schedules import schedule
+from meshsplit.planner.cost import Prediction, predict
+from meshsplit.planner.explain import reason
+from meshsplit.planner.machine import OPERATIONS, Link, Machine
+from meshsplit.planner.schedule_cost import simulate_pipeline
+from meshsplit.planner.search import search
+from meshsplit.planner.workload import Item, Line, Workload
+
+MiB = 2**20
+
+
+def _machine(alpha: float = 0.0, rate: float = 1e15) -> Machine:
+    """Every link alike; by default free, so the step is compute alone (compute-bound)."""
+    link = Link(alpha, rate)
+    return Machine(name="made-up", links={op: {2: link, 4: link, 8: link} for op in OPERATIONS})
+
+
+def _workload(items: int = 16, rows: int = 64) -> Workload:
+    """`items` equal layers, backward twice forward (B and W one forward each), no loss."""
+    layers = tuple(
+        Item(
+            name=f"layer{i}",
+            forward=Line.per_row(1e-5),
+            backward=Line.per_row(2e-5),
+            parameter_bytes=MiB,
+            output_bytes_per_row=4096.0,
+            saved_bytes_per_row=8192.0,
+        )
+        for i in range(items)
+    )
+    return Workload(
+        items={1: layers},
+        loss_forward=Line.per_row(0.0),
+        loss_backward=Line.per_row(0.0),
+        optimizer_s_per_byte=1e-10,
+        optimizer_state_per_byte=2.0,
+        global_rows=rows,
+    )
+
+
+def _bubble_share(prediction: Prediction) -> float:
+    return prediction.terms["bubble"] / prediction.terms["compute"]
+
+
+@pytest.mark.parametrize("virtual_stages", [2, 4])
+def test_interleaving_shrinks_the_bubble_v_times_for_more_messages(virtual_stages: int) -> None:
+    p, m, v = 4, 8, virtual_stages
+    plain = ms.Plan(pp=p, micro_batches=m)
+    chunked = ms.Plan(pp=p, micro_batches=m, schedule="interleaved", virtual_stages=v)
+    work = _workload()
+    one_f = predict(work, _machine(), plain)
+    inter = predict(work, _machine(), chunked)
+    assert _bubble_share(one_f) == pytest.approx((p - 1) / m, rel=0.02)
+    assert _bubble_share(inter) == pytest.approx((p - 1) / (v * m), rel=0.02)
+    assert inter.terms["compute"] == pytest.approx(one_f.terms["compute"])
+    assert inter.stages == (16 // (p * v),) * (p * v)  # one balanced split per chunk
+    # messages that cost: v times the bytes between stages and more time waiting on them
+    dear = _machine(alpha=1e-3, rate=1e9)
+    one_f, inter = predict(work, dear, plain), predict(work, dear, chunked)
+    assert inter.bytes_per_step["pp"] >= v * one_f.bytes_per_step["pp"]
+    assert inter.terms["communication_pp"] > one_f.terms["communication_pp"] > 0
+    # early ranks hold more micro-batches' activations at once
+    assert inter.memory_bytes[0] > one_f.memory_bytes[0]
+
+
+def test_zero_bubble_leaves_a_third_of_the_bubble_for_what_w_keeps() -> None:
+    work, machine = _workload(), _machine()
+    shapes = {name: ms.Plan(pp=4, micro_batches=8, schedule=name) for name in ("1f1b", "gpipe")}
+    one_f, gpipe = (predict(work, machine, plan) for plan in shapes.values())
+    zb = predict(work, machine, ms.Plan(pp=4, micro_batches=8, schedule="zero-bubble"))
+    assert zb.terms["bubble"] == pytest.approx(one_f.terms["bubble"] / 3, rel=0.02)
+    assert zb.step_time_s < one_f.step_time_s
+    assert zb.terms["compute"] == pytest.approx(one_f.terms["compute"])  # B + W = backward
+    # the first rank holds what 1F1B's does; later ones also the graphs W has not read yet
+    assert zb.memory_bytes[0] == one_f.memory_bytes[0]
+    assert zb.memory_bytes[-1] > one_f.memory_bytes[-1]
+    assert max(zb.memory_bytes) <= max(gpipe.memory_bytes)
+
+
+@pytest.mark.parametrize(
+    ("name", "v"), [("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2)]
+)
+def test_the_simulated_order_is_the_order_each_rank_runs(name: str, v: int) -> None:
+    actions = schedule(name, 2, 4, v)
+    chunks = 2 * v
+    intervals = simulate_pipeline(
+        actions, [1.0] * chunks, [1.0] * chunks, [0.1] * chunks, [1.0] * chunks
+    )
+    for rank, row in enumerate(actions):
+        mine = sorted((i for i in intervals if i.stage == rank), key=lambda i: i.start_s)
+        assert [(i.kind, i.micro, i.chunk) for i in mine] == [
+            (a.kind, a.micro, a.chunk) for a in row
+        ]
+        assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:], strict=False))
+
+
+def test_the_search_prices_every_interleaving_the_model_can_cut() -> None:
+    work = _workload(items=8)
+    ranking = search(work, _machine(), 4)
+    found = {(r.plan.pp, r.plan.micro_batches, r.plan.virtual_stages) for r in ranking.rows
+             if r.plan.schedule == "interleaved"}  # fmt: skip
+    # 8 trainable items: pp * v chunks up to 8, m a multiple of pp
+    assert found == {(2, m, v) for m in (2, 4, 8) for v in (2, 4)} | {(4, m, 2) for m in (4, 8, 16)}
+    assert any(r.plan.schedule == "zero-bubble" for r in ranking.rows)
+    for row in ranking.rows:
+        assert len(row.stages) == row.plan.pp * row.plan.virtual_stages
+        replace(row.plan, stages=row.stages)  # the split choose_plan pins is a valid plan
+    assert not [why for _, why in ranking.infeasible if "interleaved" in why or "chunk" in why]
+
+
+def test_parameter_servers_are_priced_beside_the_all_reduce() -> None:
+    work = _workload()
+    machine = _machine(alpha=1e-4, rate=1e9)  # one link for every collective and message
+    allreduce = predict(work, machine, ms.Plan(dp=2))
+    served = predict(work, machine, ms.Plan(dp=2, sync="ps", servers=1))
+    assert 0 < served.step_time_s < math.inf
+    # a worker sends what a two-way all-reduce sends, 2(n-1)/n of its gradients, but also
+    # waits for all the parameters to come back, and nothing hides either behind backward
+    assert served.bytes_per_step["dp"] == allreduce.bytes_per_step["dp"] == 16 * MiB
+    assert served.terms["communication_dp"] > 2 * allreduce.terms["communication_dp"] > 0
+    assert served.step_time_s > allreduce.step_time_s
+    # servers share the traffic and the optimizer; workers hold no optimizer state
+    one = predict(work, machine, ms.Plan(dp=4, sync="ps", servers=1))
+    two = predict(work, machine, ms.Plan(dp=4, sync="ps", servers=2))
+    assert two.terms["communication_dp"] < one.terms["communication_dp"]
+    assert two.terms["optimizer"] == pytest.approx(one.terms["optimizer"] / 2)
+    assert two.server_bytes == pytest.approx(one.server_bytes / 2, rel=1e-6)
+    whole = predict(work, machine, ms.Plan(dp=4)).memory_bytes[0]
+    assert one.memory_bytes[0] == whole - 2 * 16 * MiB  # Adam's two moments are on the server
+    assert "pushed to 1 parameter server" in reason(served, allreduce, machine)
+    # on two cores, two workers beside two servers waiting in a receive do not crowd them
+    two_cores = replace(machine, cores=2)
+    crowded = predict(work, two_cores, ms.Plan(dp=4))
+    assert predict(work, two_cores, ms.Plan(dp=2, sync="ps", servers=2)).terms["sharing"] == 0
+    assert crowded.terms["sharing"] > 0
+
+
+def test_the_search_ranks_parameter_servers_and_refuses_what_does_not_divide() -> None:
+    work = _workload()
+    ranking = search(work, _machine(alpha=1e-4, rate=1e9), 4)
+    served = [r for r in ranking.rows if r.plan.sync == "ps"]
+    assert {(r.plan.dp, r.plan.server_count, r.plan.staleness) for r in served} == {(2, 2, 0)}
+    assert all(0 < r.step_time_s < math.inf and r.server_bytes > 0 for r in served)
+    refused = {(p.dp, p.server_count): why for p, why in ranking.infeasible if p.sync == "ps"}
+    assert "divisibility" in refused[(3, 1)]  # 64 rows over 3 workers
+    times = [r.step_time_s for r in ranking.rows]
+    assert times == sorted(times)
+    # a budget between a worker's need and a server's refuses the servers alone
+    need = served[0].server_bytes
+    tight = search(work, _machine(alpha=1e-4, rate=1e9), 4, memory_budget=need - 1)
+    assert tight.rows and not [r for r in tight.rows if r.plan.sync == "ps"]
+    assert max(served[0].memory_bytes) < need
+
+
+def test_choose_plan_ranks_the_new_schedules_and_servers() -> None:
+    torch.manual_seed(0)
+    x, y = ms.data.digits("train")
+    report = ms.choose_plan(
+        ms.models.mlp(), (x[:32], y[:32]), 4, machine=_machine(1e-4, 1e9), estimate_top=0
+    )
+    plans = [row.plan for row in report.rows]
+    assert any(p.schedule == "interleaved" and p.virtual_stages == 2 for p in plans)
+    assert any(p.schedule == "zero-bubble" for p in plans)
+    assert any(p.sync == "ps" and p.servers == 2 and p.dp == 2 for p in plans)
+    for row in report.rows:
+        assert math.isclose(sum(row.terms.values()), row.step_time_s, rel_tol=1e-9)
+        assert row.memory_source == "model" and min(row.peak_bytes) > 0
