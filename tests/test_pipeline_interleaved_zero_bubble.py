@@ -148,11 +148,3 @@ def test_two_stages_match_single_process_and_describe_chunks() -> None:
 
 def test_four_processes_match_single_process() -> None:
     _check(ms.launch(_four_process_worker, 4), FOUR, train_single("transformer", "sgd"))
-
-
-def test_the_estimate_refuses_interleaved_plans_naming_what_to_estimate_instead() -> None:
-    model = ms.models.transformer(vocab_size=64, d_model=32, n_heads=4, n_layers=4, seq_len=8)
-    batch = ms.data.synthetic_tokens(8, seq_len=8, vocab_size=64, seed=1)
-    plan = ms.Plan(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
-    with pytest.raises(ms.PlanError, match="estimate schedule='1f1b'"):
-        ms.estimate_memory(model, plan, batch, loss_fn=ms.models.TokenCrossEntropy())

@@ -101,8 +101,20 @@ def candidate_fixes(plan: Plan, batch_rows: int) -> Iterator[tuple[str, Plan]]:
     recompute on more stages, then the same processes arranged with more layer or operator
     split (each halves what a rank holds of the model, at the price of traffic).
     """
-    if plan.pp > 1 and plan.schedule == "gpipe":
-        yield "schedule='1f1b'", replace(plan, schedule="1f1b")
+    if plan.pp > 1 and plan.schedule != "1f1b":
+        # GPipe holds every micro-batch, interleaving more chunks on the first ranks, zero
+        # bubble each graph until its W; 1F1B's cuts are one per stage, not per chunk
+        whole = plan.virtual_stages == 1
+        yield (
+            "schedule='1f1b'",
+            replace(
+                plan,
+                schedule="1f1b",
+                virtual_stages=1,
+                stages=plan.stages if whole else None,
+                split_points=plan.split_points if whole else None,
+            ),
+        )
     for factor in (2, 4):
         micro = plan.micro_batches * factor
         if batch_rows % (plan.dp * micro) == 0:

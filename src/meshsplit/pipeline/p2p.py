@@ -8,7 +8,7 @@ so a timeline shows where a stage sits idle. Rationale: docs/internals.md#pipeli
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,6 +161,9 @@ class Exchange:
         self.told: dict[tuple[int, Hashable], list[TensorMeta]] = {}
         """(peer, key) -> the header sent to that peer under that key."""
         self._heard: dict[tuple[int, Hashable], list[TensorMeta]] = {}
+        self.unheard: Callable[[list[tuple[int, Hashable]]], None] | None = None
+        """Called with the (peer, key) of headers about to be received that were never heard
+        (a simulated run, which has no peers to hear them from, stops there)."""
 
     def meta(self, tensor: torch.Tensor) -> TensorMeta:
         """How `tensor` travels from this rank (its dtype, or the wire dtype)."""
@@ -210,6 +213,8 @@ class Exchange:
         first time for that key."""
         unknown = [(peer, tag, key) for peer, tag, key in sources if (peer, key) not in self._heard]
         if unknown:
+            if self.unheard is not None:
+                self.unheard([(peer, key) for peer, _, key in unknown])
             lengths = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in unknown]
             self._wait([(peer, tag, t) for (peer, tag, _), t in zip(unknown, lengths, strict=True)])
             headers = [

@@ -9,7 +9,7 @@ what a worker will hold. Rationale: docs/internals.md#plannersimulatepy
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -63,13 +63,6 @@ def estimate_memory(
             "the parameters with their optimizer state each (they check Plan.memory_budget "
             "themselves when they start)"
         )
-    if plan.schedule == "interleaved":
-        raise PlanError(
-            f"the memory estimate does not simulate {plan.describe()} yet: its ranks receive "
-            "from later ones (chunk to chunk), which one process running the ranks in order "
-            "cannot replay; estimate schedule='1f1b' with the same pp for the memory of the "
-            "model's parts, and leave virtual_stages x more micro-batches in flight"
-        )
     inputs, targets = batch
     plan.check_batch(rows(inputs))
     estimate = _estimate(model, plan, inputs, targets, optimizer, loss_fn, timeline)
@@ -92,20 +85,16 @@ def _estimate(
     loss_fn: LossFn | None,
     timeline: bool,
 ) -> MemoryEstimate:
+    """Every rank's estimate under `plan`, the distinct ones simulated (random stream kept)."""
     rng = torch.get_rng_state()
     measured: dict[tuple[int, int, int], RankEstimate] = {}
     try:
         for dp in _distinct_replicas(plan):
             for tp in range(plan.tp):
-                headers: Headers = {}
-                for pp in range(plan.pp):
-                    rank = (dp * plan.pp + pp) * plan.tp + tp
-                    engine = _simulate(
-                        model, plan, rank, inputs, targets, optimizer, loss_fn, headers, timeline
-                    )
-                    if isinstance(engine.runner, PipelineRunner) and plan.stages is None:
-                        plan = replace(plan, stages=engine.runner.sizes, split_points=None)
-                    measured[(dp, pp, tp)] = _rank_estimate(engine, rank, pp, tp)
+                plan, line = _pipeline(
+                    model, plan, dp, tp, inputs, targets, optimizer, loss_fn, timeline
+                )
+                measured |= {(dp, pp, tp): estimate for pp, estimate in line.items()}
     finally:
         torch.set_rng_state(rng)
     ranks = [
@@ -117,6 +106,47 @@ def _estimate(
         for rank, (dp, pp, tp) in enumerate(rank_coordinates(plan))
     ]
     return MemoryEstimate(plan=plan, ranks=ranks)
+
+
+def _pipeline(
+    model: ModelSource,
+    plan: Plan,
+    dp: int,
+    tp: int,
+    inputs: Any,
+    targets: Any,
+    optimizer: OptimizerFactory | None,
+    loss_fn: LossFn | None,
+    timeline: bool,
+) -> tuple[Plan, dict[int, RankEstimate]]:
+    """The estimate of each pipeline rank of replica `dp` at operator-split index `tp`, and
+    the plan with its stages pinned to the first rank's profile.
+
+    Ranks run first to last, each hearing what earlier ones send. Under interleaving rank 0
+    also hears from the last rank (chunk pp-1 feeds chunk pp), so a rank that stops at a
+    header no rank has told yet runs again after the others: v rounds for v chunks per rank.
+    """
+    headers: Headers = {}
+    done: dict[int, RankEstimate] = {}
+    waiting = list(range(plan.pp))
+    while waiting:
+        told = sum(map(len, headers.values()))
+        for pp in waiting:
+            rank = (dp * plan.pp + pp) * plan.tp + tp
+            engine, whole = _simulate(
+                model, plan, rank, inputs, targets, optimizer, loss_fn, headers, timeline
+            )
+            if isinstance(engine.runner, PipelineRunner) and plan.stages is None:
+                plan = replace(plan, stages=engine.runner.sizes, split_points=None)
+            if whole:
+                done[pp] = _rank_estimate(engine, rank, pp, tp)
+        waiting = [pp for pp in waiting if pp not in done]
+        if waiting and sum(map(len, headers.values())) == told:
+            raise RuntimeError(
+                f"simulating {plan.describe()}: pipeline ranks {waiting} wait for headers "
+                "no rank sends (the schedule cannot run)"
+            )
+    return plan, done
 
 
 def _distinct_replicas(plan: Plan) -> range:
@@ -145,8 +175,10 @@ def _simulate(
     headers: Headers,
     timeline: bool,
     steps: int = 2,
-) -> Engine:
-    """Run global rank `rank` of `plan` for `steps` train_steps in a fake process group."""
+) -> tuple[Engine, bool]:
+    """Run global rank `rank` of `plan` for `steps` train_steps in a fake process group, and
+    whether it ran them all: False when it stopped at a header no rank has told it yet (a
+    chunk fed by a later rank, under interleaving), having told `headers` what it sends."""
     rng = torch.get_rng_state()
     try:
         with fake_group(rank, plan.world_size):
@@ -160,20 +192,34 @@ def _simulate(
             runner = engine.runner
             if isinstance(runner, PipelineRunner):
                 exchange = runner.stage.exchange
-                for (sender, key), metas in headers.pop(rank, {}).items():
+                exchange.unheard = _stop
+                for (sender, key), metas in headers.get(rank, {}).items():
                     exchange.learn(sender, key, metas)
             engine.memory.track = True
-            for step in range(steps):
-                if timeline and step == steps - 1:
-                    engine.memory.timeline = []
-                engine.train_step(inputs, targets)
+            whole = True
+            try:
+                for step in range(steps):
+                    if timeline and step == steps - 1:
+                        engine.memory.timeline = []
+                    engine.train_step(inputs, targets)
+            except _Unheard:
+                whole = False
             if isinstance(runner, PipelineRunner):
                 for (peer, key), metas in runner.stage.exchange.told.items():
                     headers.setdefault(peer, {})[(rank, key)] = metas
             engine.close()
-            return engine
+            return engine, whole
     finally:
         torch.set_rng_state(rng)
+
+
+class _Unheard(Exception):
+    """A simulated rank is about to receive a header that no rank simulated so far told."""
+
+
+def _stop(unheard: list[tuple[int, Hashable]]) -> None:
+    """Stop a simulated rank at a header it cannot hear yet (its sender runs again later)."""
+    raise _Unheard(unheard)
 
 
 @contextmanager
