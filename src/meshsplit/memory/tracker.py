@@ -260,8 +260,12 @@ class LiveTensors(TorchDispatchMode):
             self.samples.append(Sample(self._events, phases.current(), totals))
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor saved for backward; keep an alias of it, not the tensor itself: a
+        node saving its own output would otherwise hold it in a cycle (output -> node ->
+        output) that only a backward without retain_graph breaks, and zero bubble's W runs
+        with it (split_backward.py)."""
         self._see(tensor, "parameters" if _weight_copy(tensor) else "activations")
-        return tensor
+        return tensor.detach()
 
     def _classify_holders(self) -> None:
         for category, tensors in self.holders.items():
