@@ -146,10 +146,18 @@ def _time_worker(name: str, rounds: int, steps: int) -> dict[str, list[float]]:
         ddp_optimizer.step()
         dist.all_reduce(torch.zeros(1))  # the mean loss every rank gets, as train_step returns
 
+    def ddp_local_loss() -> float:
+        ddp_optimizer.zero_grad()
+        loss = loss_fn(ddp(x_mine), y_mine)
+        loss.backward()
+        ddp_optimizer.step()
+        return loss.item()  # this rank's loss only, as a plain DDP loop logs it
+
     runs = {
         "defaults on": lambda: on.train_step(x, y),
         "defaults off": lambda: off.train_step(x, y),
         "DDP": ddp_step,
+        "DDP, local loss": ddp_local_loss,
     }
     for run in runs.values():  # past the first (counted) steps, into the steady state
         for _ in range(4):

@@ -67,6 +67,8 @@ def rows(tree: Any) -> int:
 
 def split_rows(tree: Any, parts: int) -> list[Any]:
     """`tree` as `parts` contiguous row slices (torch.tensor_split on every tensor leaf)."""
+    if isinstance(tree, torch.Tensor):  # the common case, without a walk of the tree
+        return list(tree.tensor_split(parts))
     pieces = [
         leaf.tensor_split(parts) if isinstance(leaf, torch.Tensor) else [leaf] * parts
         for leaf in pytree.tree_leaves(tree)
@@ -81,6 +83,8 @@ def take_rows(tree: Any, index: torch.Tensor | slice) -> Any:
 
 
 def to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, tree)
 
 

@@ -9,6 +9,7 @@ Rationale: docs/internals.md#data_parallelallreducepy
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,9 @@ __all__: list[str] = []
 @dataclass
 class _Bucket:
     flat: torch.Tensor
+    """What the all-reduce sums: the gradients, then (the first bucket) any riders."""
+    grads: torch.Tensor
+    """The gradients alone: a view of flat."""
     params: list[nn.Parameter]
     arrivals: int = 0
     work: Any = None
@@ -43,19 +47,24 @@ class GradientSync:
         bucket_mb: float,
         scan: bool = False,
         reduce_dtype: torch.dtype | None = None,
+        riders: int = 0,
     ) -> None:
         self.group = group
+        self.riders = riders
+        """Slots after the first bucket's gradients for numbers the step sums over dp anyway
+        (its loss, its flags): they ride that bucket's all-reduce instead of one of their own."""
+        self.carry: Callable[[], torch.Tensor] | None = None
+        """What the riders are, asked for as the first bucket's all-reduce starts."""
         self.reduce_dtype = reduce_dtype
         """The dtype buckets are summed in (Plan.reduce_dtype; None: their own)."""
         self.scan = scan
         """Sum this replica's share of each bucket as its all-reduce completes, while later
-        ones are in flight (the non-finite check reads the sums: see gradient_sums)."""
+        ones are in flight (the non-finite check reads the sums: see gradient_sums); the
+        whole bucket when riders carry the check's flags (no exchange of its own after)."""
         self._sums: list[torch.Tensor] = []
         self._replica, self._replicas = dist.get_rank(group), dist.get_world_size(group)
         self.active = dist.get_world_size(group) > 1
         self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[nn.Parameter, _Bucket] = {}
-        self._view_of: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
         self._expected = 1
         trainable = [p for p in params if p.requires_grad]
@@ -64,33 +73,45 @@ class GradientSync:
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         first = params[0]
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        bucket = _Bucket(flat=flat, params=params)
+        size = sum(p.numel() for p in params)
+        extra = self.riders if not self.buckets else 0
+        flat = torch.zeros(size + extra, dtype=first.dtype, device=first.device)
+        bucket = _Bucket(flat=flat, grads=flat[:size], params=params)
         offset = 0
         for p in params:
             view = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             p.grad = view
             bucket.views.append(view)
-            self._bucket_of[p] = bucket
-            self._view_of[p] = view
-            if self.active:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._arrived))
+            if self.active:  # the hook knows its bucket and view: no lookup per gradient
+                arrived = functools.partial(self._arrived, bucket, view)
+                self._hooks.append(p.register_post_accumulate_grad_hook(arrived))
         self.buckets.append(bucket)
 
     def begin_step(self, backward_passes: int) -> None:
         """Announce how many backward passes (micro-batches) reach each parameter this step."""
         self._expected = backward_passes
 
-    def _arrived(self, param: torch.Tensor) -> None:
-        view = self._view_of[param]  # type: ignore[index]
-        if param.grad is not None and param.grad is not view:  # .grad was reset: fold it back
-            view.copy_(param.grad)
+    def _arrived(self, bucket: _Bucket, view: torch.Tensor, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None and grad is not view:  # .grad was reset: fold it back
+            view.copy_(grad)
             param.grad = view
-        bucket = self._bucket_of[param]  # type: ignore[index]
         bucket.arrivals += 1
         if bucket.arrivals == self._expected * len(bucket.params):
+            self._load_riders(bucket)
             bucket.work = dist.all_reduce(self._on_wire(bucket), group=self.group, async_op=True)
+
+    def _load_riders(self, bucket: _Bucket) -> None:
+        """Write the riders into the first bucket, just before its all-reduce starts."""
+        if self.riders and bucket is self.buckets[0]:
+            assert self.carry is not None, "a step with riders sets what they carry first"
+            bucket.flat[bucket.grads.numel() :].copy_(self.carry())
+
+    def carried(self) -> torch.Tensor:
+        """The riders summed over dp (after finish)."""
+        first = self.buckets[0]
+        return first.flat[first.grads.numel() :]
 
     def _on_wire(self, bucket: _Bucket) -> torch.Tensor:
         """What the bucket's all-reduce sums: the bucket, or a copy in the reduce dtype."""
@@ -103,6 +124,8 @@ class GradientSync:
         """Wait for every bucket's all-reduce; reduce now those a parameter never reached."""
         self._sums = []
         for index, bucket in enumerate(self.buckets):
+            if bucket.work is None:  # not started in backward (or one replica: never)
+                self._load_riders(bucket)
             if self.active:
                 with waiting("all-reduce wait", functools.partial(_bucket_args, index, bucket)):
                     if bucket.work is None:
@@ -115,7 +138,12 @@ class GradientSync:
             bucket.work = None
             bucket.arrivals = 0
             if self.scan:  # reduced buckets are alike on every replica: each reads 1/dp of one
-                share = bucket.flat.tensor_split(self._replicas)[self._replica]
+                whole = self.riders > 0
+                share = (
+                    bucket.grads
+                    if whole
+                    else bucket.grads.tensor_split(self._replicas)[self._replica]
+                )
                 self._sums.append(share.sum(dtype=torch.float32))
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 p.grad = view
@@ -127,21 +155,22 @@ class GradientSync:
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The buffers every gradient lives in."""
-        return [bucket.flat for bucket in self.buckets]
+        return [bucket.grads for bucket in self.buckets]
 
     def gradient_sums(self) -> list[torch.Tensor]:
         """float32 sums of the buckets (a NaN or infinity anywhere shows in one). With `scan`
         they were taken in finish, this replica's 1/dp of each bucket: the replicas' shares
-        cover every bucket once, and the check sums its flag over them all."""
+        cover every bucket once, and the check sums its flag over them all (with riders, the
+        whole of each: every replica's answer is then the same without summing it)."""
         if self.scan and len(self._sums) == len(self.buckets):
             return self._sums
-        return [bucket.flat.sum(dtype=torch.float32) for bucket in self.buckets]
+        return [bucket.grads.sum(dtype=torch.float32) for bucket in self.buckets]
 
     def newest_parameters(self) -> None:
         """Nothing to do: every replica applied the same summed gradients."""
 
     def gradient_bytes(self) -> int:
-        return sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        return sum(b.grads.numel() * b.grads.element_size() for b in self.buckets)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -22,6 +22,7 @@ from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
 from meshsplit.data_parallel.experts import WithExperts
 from meshsplit.data_parallel.zero import shard_optimizer, shard_state
 from meshsplit.job.context import before_exit
+from meshsplit.job.nonfinite import RIDERS
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import REDUCE_DTYPES
 
@@ -89,12 +90,25 @@ def _sync(
     group: dist.ProcessGroup | None,
     plan: Plan,
     reduce_dtype: torch.dtype | None,
+    riders: int = 0,
 ) -> GradientSync | LocalGradients:
     """Buckets summed over `group`, or a lone holder's own gradients without one."""
     if group is None:
         return LocalGradients(params)
     scan = plan.nonfinite != "off"
-    return GradientSync(params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype)
+    return GradientSync(
+        params, group, plan.bucket_mb, scan=scan, reduce_dtype=reduce_dtype, riders=riders
+    )
+
+
+def _riders(plan: Plan, params: list[nn.Parameter], reduce_dtype: torch.dtype | None) -> int:
+    """How many numbers the step's agreement puts in the first gradient bucket: all of them
+    when the buckets are the step's only exchange (data parallel alone, summed in float32 or
+    wider: the loss keeps its digits), else none (it sends them on its own)."""
+    alone = plan.pp == 1 and plan.tp == 1 and plan.ep == 1 and not plan.asynchronous
+    trainable = [p for p in params if p.requires_grad]
+    wide = all(p.dtype in (torch.float32, torch.float64) for p in trainable)
+    return RIDERS if alone and wide and reduce_dtype is None and trainable else 0
 
 
 @dataclass
@@ -181,7 +195,7 @@ def training_state(
         return TrainingState(split, stepper, make_optimizer, True)
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = _sync(params, group, plan, reduce_dtype)
+    sync = _sync(params, group, plan, reduce_dtype, _riders(plan, params, reduce_dtype))
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True

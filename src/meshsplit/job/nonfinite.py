@@ -9,7 +9,10 @@ too, before the optimizer steps, so the check adds no collective and no host syn
 own, and all ranks take the same branch: under 'raise' each raises the same `NonFiniteError` (the
 step, the ranks, and on each the first parameter whose gradient went non-finite); under
 'skip' every rank drops the update alike. The parameters are untouched either way: the
-check runs before the step.
+check runs before the step. Under data parallel alone (every rank holds the same summed
+gradients) the loss, the loss flag and the batch check ride the first gradient bucket's
+all-reduce instead (`riders`, `agree_carried`): no collective of their own at all, and each
+rank looks at the whole summed gradients, which are the same everywhere.
 """
 
 from __future__ import annotations
@@ -52,6 +55,58 @@ class Agreed:
     without a loss scale)."""
 
 
+RIDERS = 10
+"""Numbers each rank adds to a step's exchange when they ride a gradient bucket: its share of
+the loss, 1 if its loss is not finite, and its global batch's rows as four base-64 digits with
+their squares (each sum exact in float32 up to 2**24 rows over 4096 ranks)."""
+
+
+def riders(
+    loss: torch.Tensor, *, loss_scale: float, rows: int, mode: str, overflow_skips: bool
+) -> torch.Tensor:
+    """This rank's RIDERS numbers, as a float32 tensor beside its loss (no host sync)."""
+    mine = loss.detach().to(torch.float32) * loss_scale
+    bad_loss = torch.zeros_like(mine)
+    if mode != "off" or overflow_skips:
+        bad_loss = (~mine.isfinite()).to(torch.float32)
+    digits = [(rows >> (6 * k)) & 63 for k in range(4)]
+    counts = mine.new_tensor(digits + [d * d for d in digits])
+    return torch.cat([torch.stack([mine, bad_loss]), counts])
+
+
+def agree_carried(
+    carried: torch.Tensor,
+    loss: torch.Tensor,
+    gradient_sums: Callable[[], list[torch.Tensor]],
+    named: Iterable[tuple[str, nn.Parameter]],
+    *,
+    rows: int,
+    mode: str,
+    step: int,
+    where: str,
+    group: dist.ProcessGroup,
+    overflow_skips: bool = False,
+) -> Agreed:
+    """`agree` for ranks that all hold the same summed gradients (data parallel alone), its
+    numbers already summed as `carried` riders: the gradients are looked at here, whole,
+    and every rank sees the same; one host sync, for the loss."""
+    bad_loss = torch.zeros((), dtype=torch.float64, device=carried.device)
+    bad_grads = bad_loss
+    if mode != "off" or overflow_skips:
+        bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
+        bad_grads = (~torch.stack(gradient_sums()).isfinite().all()).to(torch.float64)
+    values = torch.cat([carried.to(torch.float64), bad_grads.reshape(1)]).tolist()
+    total, losses_flagged, grads_flagged = values[0], values[1], values[-1]
+    members = dist.get_world_size(group)
+    sums, squares = values[2:6], values[6:10]
+    same_batch = all(members * q == s * s for s, q in zip(sums, squares, strict=True))
+    return _decide(
+        total, losses_flagged, grads_flagged, same_batch,
+        loss_flag=bad_loss, grads_flag=bad_grads, rows=rows, mode=mode, step=step,
+        where=where, group=group, named=named, overflow_skips=overflow_skips, loss=loss,
+    )  # fmt: skip
+
+
 def agree(
     loss: torch.Tensor,
     gradient_sums: Callable[[], list[torch.Tensor]],
@@ -92,7 +147,32 @@ def agree(
         dist.all_reduce(packet, group=group)
         members = dist.get_world_size(group)
     total, losses_flagged, grads_flagged, row_sum, square_sum = packet.tolist()
-    if mode != "off" and members * square_sum != row_sum * row_sum:
+    return _decide(
+        total, losses_flagged, grads_flagged, members * square_sum == row_sum * row_sum,
+        loss_flag=bad_loss, grads_flag=bad_grads, rows=rows, mode=mode, step=step,
+        where=where, group=group, named=named, overflow_skips=overflow_skips, loss=loss,
+    )  # fmt: skip
+
+
+def _decide(
+    total: float,
+    losses_flagged: float,
+    grads_flagged: float,
+    same_batch: bool,
+    *,
+    loss_flag: torch.Tensor,
+    grads_flag: torch.Tensor,
+    rows: int,
+    mode: str,
+    step: int,
+    where: str,
+    group: dist.ProcessGroup | None,
+    named: Iterable[tuple[str, nn.Parameter]],
+    overflow_skips: bool,
+    loss: torch.Tensor,
+) -> Agreed:
+    """What the summed numbers mean, the same on every rank: go on, skip, or raise."""
+    if mode != "off" and not same_batch:
         given = ", ".join(f"rank {r}: {n}" for r, n in enumerate(_gathered(rows, group)))
         raise InputError(
             f"step {step}: the ranks were given global batches of different sizes ({given} "
@@ -104,11 +184,11 @@ def agree(
         return Agreed(loss=total, finite=True)
     if mode in ("skip", "off") or (overflow_skips and losses_flagged == 0):
         return Agreed(loss=total, finite=False)
-    bad = bad_loss + bad_grads
     report = ""
-    if bool(bad):
+    if bool(loss_flag + grads_flag):
         first = nonfinite_parameter(named)
-        loss_text = "finite" if bool(torch.isfinite(loss.detach()).all()) else str(loss.item())
+        finite = bool(torch.isfinite(loss.detach()).all())
+        loss_text = "finite" if finite else str(loss.item())
         report = f"{where}: loss {loss_text}" + (
             f", first non-finite gradient: {first}" if first else ", gradients finite"
         )

@@ -22,14 +22,13 @@ from meshsplit.batch import LossFn, loss_weight, rows, scores, shapes, split_row
 from meshsplit.batchnorm import commit_batchnorm, describe_batchnorm, discard_batchnorm
 from meshsplit.data_parallel import Sync, gather_rows, gather_shards
 from meshsplit.job.guard import StepGuard
-from meshsplit.job.nonfinite import agree
 from meshsplit.memory import compress, offload, pools
 from meshsplit.memory.report import MemoryReport
 from meshsplit.mesh import Mesh
 from meshsplit.phases import phase
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
-from meshsplit.runtime import checkpoint, training
+from meshsplit.runtime import agreement, checkpoint, training
 from meshsplit.runtime.apply_plan import Applied, OptimizerFactory, apply_plan
 from meshsplit.runtime.rank_memory import RankMemory
 from meshsplit.runtime.runner import LocalRunner, Runner
@@ -184,6 +183,8 @@ class Engine:
         parts = self._built(inputs)
         parts.runner.train(True)
         x, y = self._replica_rows(inputs), self._replica_rows(targets)
+        share = agreement.loss_share(self.plan, self.mesh, global_rows, rows(x))
+        scaled = self.precision.loss_scale is not None
         with (
             self._guard.naming_timeouts(),
             self.memory.step(
@@ -191,6 +192,10 @@ class Engine:
             ),
         ):
             parts.sync.begin_step(parts.runner.backward_passes())
+            agreement.begin(
+                parts.sync, parts.runner, share=share, rows=global_rows, plan=self.plan,
+                overflow_skips=scaled,
+            )  # fmt: skip
             micro_rows = rows(x) // self.plan.micro_batches
             self.precision.begin_step(loss_weight(self.loss_fn, micro_rows, global_rows))
             with (
@@ -202,18 +207,11 @@ class Engine:
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
-            agreed = agree(
-                loss,
-                parts.sync.gradient_sums,
-                parts.runner.module.named_parameters(),
-                loss_scale=self._loss_scale(global_rows, rows(x)),
-                rows=global_rows,
-                mode=self.plan.nonfinite,
-                step=self.steps + 1,
-                where=self._guard.where,
-                group=self.peers,
-                overflow_skips=self.precision.loss_scale is not None,
-            )
+            agreed = agreement.finish(
+                parts.sync, parts.runner, loss, share=share, rows=global_rows, plan=self.plan,
+                step=self.steps + 1, where=self._guard.where, group=self.peers,
+                overflow_skips=scaled,
+            )  # fmt: skip
             if agreed.finite:
                 self.precision.unscale(parts.sync.gradient_tensors())
                 if parts.batchnorm:  # a walk over every module: only when there is one
@@ -227,16 +225,6 @@ class Engine:
             parts.sync.zero_grad()
         self.steps += 1
         return agreed.loss
-
-    def _loss_scale(self, global_rows: int, replica_rows: int) -> float:
-        """What this rank's loss counts in the sum over `peers`: each replica's loss is held
-        alike by its tp ranks (of the last stage, under pp); workers apart report their own
-        replica's mean."""
-        if self.plan.asynchronous:
-            return global_rows / replica_rows
-        if self.mesh.rank("pp") != self.plan.pp - 1:
-            return 0.0
-        return 1.0 / self.plan.tp
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:

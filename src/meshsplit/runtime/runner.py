@@ -76,6 +76,9 @@ class LocalRunner:
         self.loss_fn = loss_fn
         self.micro_batches = micro_batches
         self.precision = precision
+        self.loss_so_far = torch.zeros(())
+        """The step's weighted loss over the micro-batches run so far (each added before its
+        backward): what the gradient sync's riders carry (runtime/agreement.py)."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -93,7 +96,7 @@ class LocalRunner:
         """Nothing to add: the whole model is here."""
 
     def train_batch(self, inputs: Any, targets: Any, global_rows: int) -> torch.Tensor:
-        total = torch.zeros((), device=tensors(inputs)[0].device)
+        total = self.loss_so_far = torch.zeros((), device=tensors(inputs)[0].device)
         pieces = zip(
             split_rows(inputs, self.micro_batches),
             split_rows(targets, self.micro_batches),
@@ -105,9 +108,9 @@ class LocalRunner:
                 # holds it (and its size) over backward
                 loss = self.loss_fn(call_model(self.module, x), y)
                 loss = loss * loss_weight(self.loss_fn, rows(x), global_rows)
+            total += loss.detach()  # before backward, whose gradient sync may read it
             with phase(f"backward, micro-batch {micro}"):
                 self.precision.backward(loss)
-            total += loss.detach()
         return total
 
     def forward(self, inputs: Any) -> Any:
