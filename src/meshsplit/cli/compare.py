@@ -1,13 +1,15 @@
 """`meshsplit compare`: every plan that fits N workers, run for real on the same data.
 
 Each plan trains the same model from the same initial weights on the same global batches;
-the first step (which builds and profiles the split) is left out of the timing, the second
-is the one whose communication is counted. A single-process run of the same steps, under
+the first step (which builds and profiles the split) and the second (whose communication
+is counted) are left out of the timing; each later step is timed alone and a plan's step
+time is the median on its slowest rank. A single-process run of the same steps, under
 the same autocast, is the reference every plan's losses must match.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,8 +49,9 @@ class CompareConfig:
     """Reference model name: mlp, cnn, transformer or moe."""
     devices: int
     """Worker processes every plan uses."""
-    steps: int = 6
-    """Optimizer steps per plan; the first is not timed."""
+    steps: int = 8
+    """Optimizer steps per plan; the first two are not timed (warm-up, and the one whose
+    traffic is counted), the rest each are: a plan's time is their median."""
     batch_size: int = 64
     """Global batch size."""
     micro_batches: int = 4
@@ -134,11 +137,14 @@ def _run_plan(config: CompareConfig, plan: Plan) -> dict[str, Any]:
     engine = parallelize(_model(config), plan, optimizer=_optimizer, loss_fn=_loss_fn(config))
     engine.memory.track = False  # the timed steps run as a user's would
     losses = [engine.train_step(*steps[0])]
-    started = time.perf_counter()
     with count_traffic() as traffic:
         losses.append(engine.train_step(*steps[1]))
-    losses += [engine.train_step(*batch) for batch in steps[2:]]
-    seconds = time.perf_counter() - started
+    timed = []
+    for batch in steps[2:]:  # one step at a time: a median shrugs off a slow one
+        started = time.perf_counter()
+        losses.append(engine.train_step(*batch))
+        timed.append(time.perf_counter() - started)
+    seconds = statistics.median(timed)
     engine.memory.track = True  # one more step, untimed, to count its live tensors
     engine.train_step(*steps[-1])
     memory = engine.memory_report().as_dict()
@@ -174,8 +180,10 @@ def compare(
     """Run every candidate plan; one row per plan (refused plans say why). With `record`,
     the plan the planner predicted fastest runs once more with one step recorded, and its
     row's "timeline" holds the measured and the predicted events."""
-    if config.steps < 2:
-        raise PlanError(f"steps={config.steps}: compare needs at least 2 (the first is untimed)")
+    if config.steps < 3:
+        raise PlanError(
+            f"steps={config.steps}: compare needs at least 3 (the first two are untimed)"
+        )
     reference = reference_losses(config)
     plans = candidate_plans(config)
     rows: list[dict[str, Any]] = []
@@ -303,8 +311,8 @@ def _row(
         peaks += [server["held_bytes"] for server in servers]
     return {
         **row,
-        "step_s": slowest / (config.steps - 1),
-        "samples_per_second": (config.steps - 1) * config.batch_size / slowest,
+        "step_s": slowest,
+        "samples_per_second": config.batch_size / slowest,
         "peak_memory_bytes": peaks,
         "tensor_peak_bytes": [r["memory"]["tensor_peak_bytes"] for r in results],
         "estimated_peak_bytes": None

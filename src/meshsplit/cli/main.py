@@ -81,7 +81,9 @@ def _compare_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--model", choices=models.REFERENCE_NAMES, default="cnn")
     command.add_argument("--devices", type=int, default=4, help="worker processes per plan")
     command.add_argument("--out", type=Path, default=Path("meshsplit-compare"))
-    command.add_argument("--steps", type=int, default=6, help="steps per plan (first untimed)")
+    command.add_argument(
+        "--steps", type=int, default=8, help="steps per plan (the first two untimed; median)"
+    )
     command.add_argument("--batch-size", type=int, default=64)
     command.add_argument("--micro-batches", type=int, default=4, help="for plans with pp > 1")
     command.add_argument(

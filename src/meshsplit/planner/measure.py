@@ -347,16 +347,23 @@ def _whole_step(
     n = rows(inputs)
     with torch.no_grad(), _autocast(engine):
         output = call_model(engine.module, inputs)  # what the loss reads, made once
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
     steps, optimizer_s, loss_s = [], [], []
     for _ in range(repeats + 1):
         started = time.perf_counter()
         engine.train_step(inputs, targets)
         steps.append(time.perf_counter() - started)
+        # the step drops the gradients after it used them, and an optimizer skips a
+        # parameter without one: give each a gradient, or this times a loop over nothing
+        kept = [p.grad for p in trainable]
+        for p in trainable:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
         started = time.perf_counter()
         engine.optimizer.step()
         optimizer_s.append(time.perf_counter() - started)
+        for p, grad in zip(trainable, kept, strict=True):
+            p.grad = grad
         loss_s.append(_time_loss(engine, output, targets))
-    trainable = [p for p in engine.module.parameters() if p.requires_grad]
     parameter_bytes = tensor_bytes(trainable)
     state = tensor_bytes(optimizer_tensors(engine.optimizer))
     loss_forward, loss_backward = min(loss_s[1:])
