@@ -46,17 +46,20 @@ __all__ = [
 KINDS = {
     "forward": "#4c72b0",
     "backward": "#dd8452",
+    "weights": "#da8bc3",
     "wait": "#c44e52",
     "sync": "#8172b3",
     "optimizer": "#55a868",
     "other": "#937860",
 }
-"""What an event is -> its colour: a forward or backward of one micro-batch, a wait for other
-ranks (p2p, all-reduce), gradient sync, the optimizer step, anything else."""
+"""What an event is -> its colour: a forward or backward of one micro-batch (under zero bubble
+the backward's input half), its weight gradients (zero bubble's W), a wait for other ranks
+(p2p, all-reduce), gradient sync, the optimizer step, anything else."""
 
 _PHASE_KINDS = {
     "forward": "forward",
     "backward": "backward",
+    "weight gradients": "weights",
     "gradient sync": "sync",
     "optimizer step": "optimizer",
 }
@@ -251,7 +254,7 @@ def predicted_events(prediction: Prediction) -> list[Event]:
     stretch = prediction.step_time_s / max(1e-12, prediction.step_time_s - terms["sharing"])
     events = []
     for interval in prediction.intervals:
-        kind = "forward" if interval.kind == "F" else "backward"
+        kind = {"F": "forward", "W": "weights"}.get(interval.kind, "backward")
         events.append(
             Event(
                 rank=interval.stage * plan.tp,
