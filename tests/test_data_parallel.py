@@ -82,3 +82,39 @@ def test_zero_shards_optimizer_state_and_matches_single_process() -> None:
     shards = [rank[-1] for rank in per_rank]
     assert sum(shards) == unsharded
     assert max(shards) <= 0.6 * unsharded  # about 1/dp each; whole tensors are not cut
+
+
+def _all_reduces_per_step(plan: ms.Plan) -> tuple[int, int]:
+    """all_reduce calls in one steady train_step of the MLP, and the gradient buckets."""
+    import torch.distributed as dist
+
+    calls = []
+    original = dist.all_reduce
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.manual_seed(0)
+    engine = ms.parallelize(ms.models.mlp((784, 64, 64, 10)), plan)
+    x, y = torch.randn(16, 784), torch.randint(0, 10, (16,))
+    engine.train_step(x, y)
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        engine.train_step(x, y)
+    finally:
+        dist.all_reduce = original
+    buckets = len(getattr(engine.sync, "buckets", []))
+    engine.close()
+    return len(calls), buckets
+
+
+def test_under_data_parallel_alone_the_step_adds_no_collective_to_the_buckets() -> None:
+    """The loss, the non-finite flags and the batch check ride the first bucket; a pipeline
+    (whose stages hold different gradients) sends them in an all-reduce of its own."""
+    small = ms.Plan(dp=2, bucket_mb=0.1)  # fc1's weight in a bucket alone, the rest in one
+    for calls, buckets in ms.launch(_all_reduces_per_step, 2, args=(small,)):
+        assert buckets == 2 and calls == buckets, (calls, buckets)
+    piped = ms.Plan(pp=2, micro_batches=2)
+    for calls, _ in ms.launch(_all_reduces_per_step, 2, args=(piped,)):
+        assert calls == 1, calls

@@ -195,3 +195,29 @@ def test_the_predicted_schedule_is_drawn_as_each_stage_runs_it() -> None:
         assert names == [f"{kinds[a.kind]}, micro-batch {a.micro}" for a in actions]
         assert mine[-1].name == "optimizer step"
     assert max(e.end_s for e in events) <= prediction.step_time_s * (1 + 1e-9)
+
+
+def test_the_optimizer_is_timed_stepping_every_parameter() -> None:
+    """The step drops the gradients after using them; timed on its own afterwards, an
+    optimizer would skip every parameter and be priced at nothing."""
+    import torch
+
+    from meshsplit.planner.measure import measure_workload
+
+    stepped: list[tuple[int, int]] = []  # (parameters with a gradient, parameters) per step
+
+    class Counting(torch.optim.SGD):
+        def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+            params = [p for g in self.param_groups for p in g["params"]]
+            stepped.append((sum(p.grad is not None for p in params), len(params)))
+            return super().step(closure)
+
+    model = ms.models.mlp((16, 32, 8))
+    batch = (torch.randn(8, 16), torch.randint(0, 8, (8,)))
+    work = measure_workload(
+        model, batch, widths=[1], optimizer=lambda p: Counting(p, lr=0.1), sizes=[8]
+    )
+    parameters = len(list(model.parameters()))
+    whole = [given for given, held in stepped if held == parameters]
+    assert whole and set(whole) == {parameters}, stepped  # each step saw every gradient
+    assert work.optimizer_s_per_byte > 0
