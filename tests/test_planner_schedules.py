@@ -181,3 +181,17 @@ def test_choose_plan_ranks_the_new_schedules_and_servers() -> None:
     for row in report.rows:
         assert math.isclose(sum(row.terms.values()), row.step_time_s, rel_tol=1e-9)
         assert row.memory_source == "model" and min(row.peak_bytes) > 0
+
+
+def test_zero_bubble_holds_the_gradients_w_reads_from_b_until_w() -> None:
+    """Between a micro-batch's B and its W the chunk keeps, beyond its saved tensors, the
+    gradients arriving where parameters leave the input path; 1F1B keeps none past B."""
+    from meshsplit.planner.schedule_cost import peak_held
+
+    zb = schedule("zero-bubble", 2, 4)
+    one_f = schedule("1f1b", 2, 4)
+    held, kept = [10.0, 10.0], [0.0, 5.0]
+    assert peak_held(one_f[1], 1, held, kept) == peak_held(one_f[1], 1, held)
+    extra = peak_held(zb[1], 1, held, kept) - peak_held(zb[1], 1, held)
+    assert extra in (5.0, 10.0)  # one or two micro-batches between their B and W
+    assert peak_held(zb[0], 0, held, kept) == peak_held(zb[0], 0, held)  # chunk 0 keeps none

@@ -143,6 +143,8 @@ class _Stage:
     expert_trainable_bytes: int = 0
     """Of trainable_bytes, this rank's share of the experts (their gradients sum over dp / ep)."""
     saved_bytes: float = 0.0
+    exit_bytes: float = 0.0
+    """What zero bubble's B keeps for W beyond the saved tensors (the gradients at exits)."""
     input_bytes: float = 0.0
     """The activation from the previous stage, as it arrives (in the wire dtype)."""
     largest_output: float = 0.0
@@ -217,6 +219,7 @@ def _stages(
             stage.expert_trainable_bytes += experts if item.trainable else 0
             stage.largest_unit_bytes = max(stage.largest_unit_bytes, held)
             stage.saved_bytes += item.saved_bytes_per_row * rows
+            stage.exit_bytes += item.exit_bytes_per_row * rows
             stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
         if s == last:
             stage.forward_s += workload.loss_forward.at(rows)
@@ -363,7 +366,9 @@ def _memory(
         + 2 * (c.input_bytes + c.send_bytes)
         for c in chunks
     ]
-    activations = peak_held(actions[r], r, held)
+    # a first chunk receives nothing: its B has no input gradient to give and keeps nothing
+    kept = [0.0 if i == 0 else c.exit_bytes for i, c in enumerate(chunks)]
+    activations = peak_held(actions[r], r, held, kept)
     if recomputed:  # one chunk's forward is redone at a time, its activations whole
         activations += max(c.saved_bytes for c in chunks[r :: plan.pp])
     optimizer = 0.0 if plan.sync == "ps" else workload.optimizer_state_per_byte / shard

@@ -168,17 +168,23 @@ def _after(
     return (chunk + 1, "B", action.micro), send_s[chunk]
 
 
-def peak_held(actions: list[Action], rank: int, held: Sequence[float]) -> float:
+def peak_held(
+    actions: list[Action], rank: int, held: Sequence[float], kept: Sequence[float] = ()
+) -> float:
     """Most bytes `rank` holds for micro-batches in flight, `held[c]` for each on chunk c
     (chunk `rank` when the rank has one): from F until B, or until W when the schedule has
-    one (B frees only part of them then; W reads the rest)."""
+    one, B then adding `kept[c]` (the gradients W reads) until W frees it all."""
     weights = {(a.chunk, a.micro) for a in actions if a.kind == "W"}
     live = peak = 0.0
     for action in actions:
-        size = held[rank if action.chunk is None else action.chunk]
+        chunk = rank if action.chunk is None else action.chunk
+        size, extra = held[chunk], (kept[chunk] if kept else 0.0)
+        deferred = (action.chunk, action.micro) in weights
         if action.kind == "F":
             live += size
-        elif (action.kind == "W") == ((action.chunk, action.micro) in weights):
-            live -= size
+        elif action.kind == "B" and deferred:
+            live += extra
+        elif (action.kind == "W") == deferred:
+            live -= size + (extra if deferred else 0.0)
         peak = max(peak, live)
     return peak

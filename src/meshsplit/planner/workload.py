@@ -67,6 +67,9 @@ class Item:
     None: half of output_bytes_per_row (outputs all fp32)."""
     saved_bytes_per_row: float
     """Tensors autograd keeps for the item's backward, per row."""
+    exit_bytes_per_row: float = 0.0
+    """Outputs of the item's modules that hold parameters, per row: the gradients arriving
+    there are what zero bubble's B keeps for W (pipeline/split_backward.py)."""
     trainable: bool = True
     forward_flops_per_row: float = 0.0
     backward_flops_per_row: float = 0.0
