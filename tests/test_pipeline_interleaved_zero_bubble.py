@@ -25,9 +25,12 @@ TWO: list[dict[str, Any]] = [
     {"pp": 2, "micro_batches": 4, **INTERLEAVED, "recompute": "except_last"},
     {"pp": 2, "micro_batches": 4, **ZERO_BUBBLE},
     {"pp": 2, "micro_batches": 4, **ZERO_BUBBLE, "recompute": "except_last"},
+    # the last stage recomputed too: W reads a checkpointed graph B has already replayed
+    {"pp": 2, "micro_batches": 4, **ZERO_BUBBLE, "recompute": "always"},
 ]
 FOUR: list[dict[str, Any]] = [
     {"pp": 4, "micro_batches": 4, **ZERO_BUBBLE},
+    {"pp": 4, "micro_batches": 4, **ZERO_BUBBLE, "recompute": "except_last"},
     {"dp": 2, "pp": 2, "micro_batches": 2, **INTERLEAVED},
     {"dp": 2, "pp": 2, "micro_batches": 2, **ZERO_BUBBLE},
     {"dp": 2, "pp": 2, "micro_batches": 2, **ZERO_BUBBLE, "zero": 2},
