@@ -90,11 +90,7 @@ def agree_carried(
     """`agree` for ranks that all hold the same summed gradients (data parallel alone), its
     numbers already summed as `carried` riders: the gradients are looked at here, whole,
     and every rank sees the same; one host sync, for the loss."""
-    bad_loss = torch.zeros((), dtype=torch.float64, device=carried.device)
-    bad_grads = bad_loss
-    if mode != "off" or overflow_skips:
-        bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
-        bad_grads = (~torch.stack(gradient_sums()).isfinite().all()).to(torch.float64)
+    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     values = torch.cat([carried.to(torch.float64), bad_grads.reshape(1)]).tolist()
     total, losses_flagged, grads_flagged = values[0], values[1], values[-1]
     members = dist.get_world_size(group)
@@ -133,11 +129,7 @@ def agree(
     ranks fed different batches (a DataLoader per rank) raise InputError before the update.
     'off' looks at neither (the memory estimate replays steps on collectives that do not
     sum)."""
-    bad_loss = torch.zeros((), dtype=torch.float64, device=loss.device)
-    bad_grads = bad_loss
-    if mode != "off" or overflow_skips:
-        bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
-        bad_grads = (~torch.stack(gradient_sums()).isfinite().all()).to(torch.float64)
+    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     mine = loss.detach().to(torch.float64) * loss_scale
     packet = torch.stack(
         [mine, bad_loss, bad_grads, mine.new_tensor(rows), mine.new_tensor(rows * rows)]
@@ -152,6 +144,22 @@ def agree(
         loss_flag=bad_loss, grads_flag=bad_grads, rows=rows, mode=mode, step=step,
         where=where, group=group, named=named, overflow_skips=overflow_skips, loss=loss,
     )  # fmt: skip
+
+
+def _local_flags(
+    loss: torch.Tensor,
+    gradient_sums: Callable[[], list[torch.Tensor]],
+    mode: str,
+    overflow_skips: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1.0 (float64) where this rank's loss, or its gradients' sums, are not finite; zeros
+    when neither is looked at (mode 'off' without a loss scale)."""
+    bad_loss = torch.zeros((), dtype=torch.float64, device=loss.device)
+    if mode == "off" and not overflow_skips:
+        return bad_loss, bad_loss
+    bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
+    bad_grads = (~torch.stack(gradient_sums()).isfinite().all()).to(torch.float64)
+    return bad_loss, bad_grads
 
 
 def _decide(
