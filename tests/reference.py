@@ -88,21 +88,35 @@ def batches(model_name: str, batch: int, steps: int) -> list[tuple[torch.Tensor,
     return list(zip(x.split(batch), y.split(batch), strict=True))
 
 
+def train_plainly(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor],
+    steps: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A plain PyTorch loop over `steps` (global batches) in this process: the losses and a
+    copy of the final state."""
+    losses = []
+    for x, y in steps:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def train_single(
     model_name: str, optimizer: str, batch: int = 16, steps: int = 3
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and final state of plain training in this process."""
     model = build(model_name)
-    opt = OPTIMIZERS[optimizer](model.parameters())
-    loss_fn = loss_for(model_name)
-    losses = []
-    for x, y in batches(model_name, batch, steps):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_plainly(
+        model,
+        OPTIMIZERS[optimizer](model.parameters()),
+        loss_for(model_name),
+        batches(model_name, batch, steps),
+    )
 
 
 def train_parallel(

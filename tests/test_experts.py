@@ -18,7 +18,7 @@ from torch import nn
 import meshsplit as ms
 
 from cli_runner import run_meshsplit
-from reference import OPTIMIZERS
+from reference import OPTIMIZERS, train_plainly
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,15 +142,10 @@ def _is_expert(name: str, param: torch.Tensor) -> bool:
 
 
 def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    net, loss_fn = _build(model), ms.models.TokenCrossEntropy()
-    optimizer, losses = OPTIMIZERS["sgd"](net.parameters()), []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+    net = _build(model)
+    return train_plainly(
+        net, OPTIMIZERS["sgd"](net.parameters()), ms.models.TokenCrossEntropy(), _batches()
+    )
 
 
 Case = tuple[str, dict[str, int]]

@@ -22,6 +22,7 @@ import meshsplit as ms
 transformers = pytest.importorskip("transformers")
 
 from hf_models import FACTORIES, KINDS, MORE, Wrap  # noqa: E402
+from reference import train_plainly  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH, STEPS = 8, 3
@@ -85,15 +86,8 @@ def _build(model: str) -> nn.Module:
 
 
 def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    net, loss_fn = _build(model), _loss(model)
-    optimizer, losses = _sgd(net.parameters()), []
-    for x, y in _batches(model):
-        optimizer.zero_grad()
-        loss = loss_fn(net(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
+    net = _build(model)
+    return train_plainly(net, _sgd(net.parameters()), _loss(model), _batches(model))
 
 
 def _parallel(cases: list[Case]) -> list[dict[str, Any]]:

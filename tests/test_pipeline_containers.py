@@ -22,6 +22,8 @@ from meshsplit.pipeline.blocks import find_blocks
 from meshsplit.pipeline.cuts import Cuts, find_cuts
 from meshsplit.pipeline.frontend import layer_graph
 
+from reference import train_plainly
+
 VOCAB, DIM, HEADS, DEPTH, SEQ = 64, 32, 4, 4, 8
 RTOL, ATOL = 1e-4, 1e-5
 BATCH, STEPS = 8, 3
@@ -239,15 +241,8 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _single(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model, loss_fn = _build(name), ms.models.TokenCrossEntropy()
-    optimizer, losses = _sgd(model.parameters()), []
-    for x, y in _batches():
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = _build(name)
+    return train_plainly(model, _sgd(model.parameters()), ms.models.TokenCrossEntropy(), _batches())
 
 
 def _parallel(names: list[str], pp: int) -> list[dict[str, Any]]:

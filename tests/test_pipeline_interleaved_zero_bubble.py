@@ -14,7 +14,7 @@ import torch
 
 import meshsplit as ms
 
-from reference import OPTIMIZERS, assert_matches, train_parallel, train_single
+from reference import OPTIMIZERS, assert_matches, train_parallel, train_plainly, train_single
 
 RTOL, ATOL = 1e-4, 1e-5
 INTERLEAVED = {"schedule": "interleaved", "virtual_stages": 2}
@@ -57,14 +57,7 @@ def _gpt2(plan: ms.Plan | None) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model, loss_fn = gpt2(), ms.models.TokenCrossEntropy()
     if plan is None:
-        optimizer, losses = OPTIMIZERS["sgd"](model.parameters()), []
-        for x, y in _gpt2_batches():
-            optimizer.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return train_plainly(model, OPTIMIZERS["sgd"](model.parameters()), loss_fn, _gpt2_batches())
     engine = ms.parallelize(model, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss_fn)
     losses = [engine.train_step(x, y) for x, y in _gpt2_batches()]
     state = engine.full_state_dict()
