@@ -138,10 +138,10 @@ class GradientSync:
             bucket.work = None
             bucket.arrivals = 0
             if self.scan:  # reduced buckets are alike on every replica: each reads 1/dp of one
-                whole = self.riders > 0
+                # (all of it when the riders carry no gradient flag to sum over replicas)
                 share = (
                     bucket.grads
-                    if whole
+                    if self.riders
                     else bucket.grads.tensor_split(self._replicas)[self._replica]
                 )
                 self._sums.append(share.sum(dtype=torch.float32))

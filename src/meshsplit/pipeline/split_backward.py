@@ -59,11 +59,10 @@ def input_gradients(
         node.register_prehook(_keeper(group, node)) for group in groups for node in group.nodes
     ]
     try:
-        got = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+        found = gradients_of(leaves, roots, seeds)
     finally:
         for handle in handles:
             handle.remove()
-    found = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, leaves, strict=True)]
     apart = [
         (root, seed)
         for root, seed, node in zip(roots, seeds, starts, strict=True)
@@ -72,6 +71,16 @@ def input_gradients(
     if apart:
         groups = _with_apart_roots(groups, apart, feeders)
     return found, groups
+
+
+def gradients_of(
+    leaves: Sequence[torch.Tensor],
+    roots: Sequence[torch.Tensor],
+    seeds: Sequence[torch.Tensor | None],
+) -> list[torch.Tensor]:
+    """The gradients of `leaves` alone (zeros where unused), keeping the graph for W."""
+    got = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
+    return [g if g is not None else torch.zeros_like(t) for g, t in zip(got, leaves, strict=True)]
 
 
 def weight_gradients(work: WeightWork) -> None:

@@ -22,7 +22,12 @@ from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending
 from meshsplit.pipeline.schedules import Action
-from meshsplit.pipeline.split_backward import WeightWork, input_gradients, weight_gradients
+from meshsplit.pipeline.split_backward import (
+    WeightWork,
+    gradients_of,
+    input_gradients,
+    weight_gradients,
+)
 from meshsplit.precision import Precision
 
 __all__: list[str] = []
@@ -281,11 +286,7 @@ class Stage:
         elif roots and leaves:
             # FSDP2 reduces a unit's gradients as backward leaves its inputs, which B does
             # before any weight gradient exists: W re-runs the backward whole
-            got = torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)
-            found = [
-                g if g is not None else torch.zeros_like(t)
-                for g, t in zip(got, leaves, strict=True)
-            ]
+            found = gradients_of(leaves, roots, seeds)
         else:
             found = [torch.zeros_like(t) for t in leaves]
         given = iter(found)
