@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from datetime import timedelta
 
 import torch
@@ -68,9 +69,10 @@ class Mesh:
         """Whether this process is a parameter server, outside the workers' mesh."""
         return self.device_mesh.get_coordinate() is None
 
-    @property
+    @cached_property
     def world(self) -> dist.ProcessGroup:
-        """Every process of the mesh (the whole job, less any parameter servers)."""
+        """Every process of the mesh (the whole job, less any parameter servers); asked every
+        step, so found once."""
         if self.device_mesh.mesh.numel() == dist.get_world_size():
             return dist.distributed_c10d._get_default_group()
         return self.group("dp")  # with servers, pp == tp == 1: dp spans the mesh
@@ -80,7 +82,15 @@ class Mesh:
 
     def rank(self, axis: str) -> int:
         """This process's coordinate along `axis`."""
-        return self.device_mesh.get_local_rank(axis)
+        if self._coordinate is None:
+            return self.device_mesh.get_local_rank(axis)  # a server: DeviceMesh says why not
+        return self._coordinate[AXES.index(axis)]
+
+    @cached_property
+    def _coordinate(self) -> tuple[int, ...] | None:
+        """Where this process sits on the mesh, read once (DeviceMesh looks it up per call)."""
+        coordinate = self.device_mesh.get_coordinate()
+        return None if coordinate is None else tuple(coordinate)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.device_mesh.get_group(axis)

@@ -134,10 +134,9 @@ def agree(
     packet = torch.stack(
         [mine, bad_loss, bad_grads, mine.new_tensor(rows), mine.new_tensor(rows * rows)]
     )
-    members = 1
-    if group is not None:
+    members = 1 if group is None else dist.get_world_size(group)
+    if members > 1:
         dist.all_reduce(packet, group=group)
-        members = dist.get_world_size(group)
     total, losses_flagged, grads_flagged, row_sum, square_sum = packet.tolist()
     return _decide(
         total, losses_flagged, grads_flagged, members * square_sum == row_sum * row_sum,
