@@ -20,6 +20,7 @@ from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
 from meshsplit.planner.schedule_cost import simulate_pipeline
 from meshsplit.planner.search import search
+from meshsplit.planner.sharing import _message_s_matching
 from meshsplit.planner.workload import Item, Line, Workload
 
 MiB = 2**20
@@ -195,3 +196,31 @@ def test_zero_bubble_holds_the_gradients_w_reads_from_b_until_w() -> None:
     extra = peak_held(zb[1], 1, held, kept) - peak_held(zb[1], 1, held)
     assert extra in (5.0, 10.0)  # one or two micro-batches between their B and W
     assert peak_held(zb[0], 0, held, kept) == peak_held(zb[0], 0, held)  # chunk 0 keeps none
+
+
+def test_a_message_is_priced_at_what_makes_the_replay_last_as_long_as_the_real_pipeline() -> None:
+    plan = ms.Plan(pp=4, micro_batches=8)
+    forward, backward = 3e-4, 6e-4
+
+    def lasts(message_s: float) -> float:
+        stages = [forward] * 4, [backward] * 4, [message_s] * 4, [0.0] * 4
+        return max(i.end_s for i in simulate_pipeline(schedule("1f1b", 4, 8), *stages))
+
+    for message_s in (1e-4, 8e-4):
+        found = _message_s_matching(plan, forward, backward, lasts(message_s))
+        assert found == pytest.approx(message_s, rel=1e-6)
+    assert _message_s_matching(plan, forward, backward, lasts(0.0) / 2) == 0.0
+
+
+def test_a_link_timed_over_workers_that_fill_the_cores_is_not_stretched_twice() -> None:
+    machine = replace(_machine(alpha=1e-4, rate=1e9), cores=2, compute_slowdown={2: 0.9, 4: 2.5})
+    unshared = machine.unshared()
+    for operation in OPERATIONS:
+        assert unshared.link(operation, 2) == Link(1e-4, 1e9)  # two workers did not slow
+        assert unshared.link(operation, 4) == Link(1e-4 / 2.5, 1e9 * 2.5)
+    assert replace(machine, cores=None).unshared().link("all_reduce", 4) == Link(1e-4, 1e9)
+    work = _workload()
+    # dp4 on two cores: the reduce stretches with the step once, by the plan's own sharing
+    crowded = predict(work, machine, ms.Plan(dp=4))
+    roomy = predict(work, replace(machine, compute_slowdown={4: 1.0}), ms.Plan(dp=4))
+    assert crowded.terms["communication_dp"] == pytest.approx(roomy.terms["communication_dp"] / 2.5)

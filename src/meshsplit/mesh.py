@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from datetime import timedelta
+from functools import cached_property
 
 import torch
 import torch.distributed as dist

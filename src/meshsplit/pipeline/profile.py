@@ -9,6 +9,7 @@ random generators are restored afterwards, so profiling leaves training unchange
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,11 @@ class LayerCost:
 
 
 def profile_layers(graph: LayerGraph, example: torch.Tensor, repeats: int = 5) -> list[LayerCost]:
-    """One LayerCost per layer of `graph`: the fastest of `repeats` timed runs after a warm-up.
+    """One LayerCost per layer of `graph`: the median of `repeats` timed runs after a warm-up.
 
     The runs sweep the whole model in turn rather than repeating one layer back to back, so
     a burst of load from another process inflates one sample of many layers, and the
-    minimum (noise only ever adds time) discards it.
+    median discards it while keeping what a typical step pays (what the planner predicts).
     """
     modules = [layer.module for layer in graph.layers]
     buffers = [b.detach().clone() for m in modules for b in m.buffers()]
@@ -71,8 +72,8 @@ def profile_layers(graph: LayerGraph, example: torch.Tensor, repeats: int = 5) -
             torch.cuda.set_rng_state_all(cuda_rng)
     return [
         LayerCost(
-            forward_ms=1e3 * min(forward[index]),
-            backward_ms=1e3 * min(backward[index]),
+            forward_ms=1e3 * statistics.median(forward[index]),
+            backward_ms=1e3 * statistics.median(backward[index]),
             parameter_bytes=sum(p.numel() * p.element_size() for p in layer.module.parameters()),
             activation_bytes=sum(
                 values[name].numel() * values[name].element_size() for name in layer.outputs

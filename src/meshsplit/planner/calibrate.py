@@ -39,7 +39,7 @@ DEFAULT_SIZES: tuple[int, ...] = tuple(
 )
 """Payload bytes per rank, geometric from 1 KiB to 8 MiB: latency- to bandwidth-bound."""
 DEFAULT_REPEATS = 5
-"""Timed repeats per (operation, size) after one warm-up; the fastest is kept."""
+"""Timed repeats per (operation, size) after one warm-up; the median is kept."""
 _COMPUTE_REPEATS = 5
 _MATMULS = 48
 _MATMUL_SIDE = {"cpu": 256, "cuda": 2048}
@@ -47,8 +47,13 @@ _MATMUL_SIDE = {"cpu": 256, "cuda": 2048}
 _LAUNCH_TIMEOUT_S = 120.0
 
 
+_METHOD = "median-1"
+"""How the timings are reduced (fit.py); a cache made another way is measured again."""
+
+
 def machine_key(backend: str | None = None) -> str:
-    """Names what the measurements depend on: host, cores, torch, backend and device."""
+    """Names what the measurements depend on: host, cores, torch, backend, device and the
+    way timings are reduced."""
     backend = backend or default_backend(2)
     if backend == "nccl" and torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
@@ -56,7 +61,7 @@ def machine_key(backend: str | None = None) -> str:
         device = _cpu_name()
     return (
         f"host={socket.gethostname()} cpus={_cores()} torch={torch.__version__} "
-        f"backend={backend} device={device}"
+        f"backend={backend} device={device} timings={_METHOD}"
     )
 
 

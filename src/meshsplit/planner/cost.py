@@ -256,6 +256,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
             f"{plan.describe()} is {plan.precision} and the workload was measured under "
             f"{workload.precision}; measure it under the plan's precision"
         )
+    machine = machine.unshared()
     rows = rows_per_micro_batch(plan, workload.global_rows)
     sizes = stage_sizes(workload.items[plan.tp], plan, rows)
     chunks = _stages(workload, machine, plan, rows, sizes)

@@ -1,8 +1,9 @@
 """Turn raw timings into the numbers a `Machine` holds: an alpha-beta line and a slowdown.
 
-Pure arithmetic on lists of seconds; `calibrate.py` does the timing. Timer noise only ever
-adds time (a preempted process, a cache miss), so repeats collapse to their minimum; sharing
-cores is no noise but the effect being measured, so compute times collapse to their median.
+Pure arithmetic on lists of seconds; `calibrate.py` does the timing. The planner predicts the
+step a user measures (`meshsplit compare` reports each plan's median step), and on a host
+whose cores are shared a collective's typical time is well above its fastest, so repeats
+collapse to their median, not their minimum.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ _MAD_TO_SIGMA = 1.4826
 _MAX_ITERATIONS = 50
 
 
-def fastest_per_size(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(nbytes, seconds) pairs reduced to the fastest repeat of each size, sorted by size.
+def typical_per_size(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(nbytes, seconds) pairs reduced to the median repeat of each size, sorted by size.
 
     Refuses what no line can be fitted to: negative or non-finite sizes, non-positive or
     non-finite times, fewer than two distinct sizes.
     """
-    fastest: dict[float, float] = {}
+    repeats: dict[float, list[float]] = {}
     for nbytes, seconds in samples:
         if not math.isfinite(nbytes) or nbytes < 0:
             raise ValueError(f"sample nbytes={nbytes!r} must be a finite number >= 0")
@@ -37,13 +38,13 @@ def fastest_per_size(samples: Sequence[tuple[float, float]]) -> list[tuple[float
                 f"sample seconds={seconds!r} for nbytes={nbytes} must be finite and > 0; "
                 "a timer that reads 0 is too coarse for this payload"
             )
-        fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
-    if len(fastest) < 2:
+        repeats.setdefault(nbytes, []).append(seconds)
+    if len(repeats) < 2:
         raise ValueError(
             f"an alpha-beta fit needs at least two distinct payload sizes, got "
-            f"{sorted(fastest)}; time the collective at a small and a large payload"
+            f"{sorted(repeats)}; time the collective at a small and a large payload"
         )
-    return sorted(fastest.items())
+    return sorted((nbytes, statistics.median(times)) for nbytes, times in repeats.items())
 
 
 def fit_link(samples: Sequence[tuple[float, float]]) -> Link:
@@ -54,9 +55,9 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> Link:
     that fix alpha. The weights are Huber's, w_i = min(1, k s / |r_i|) with s the scaled
     median |r_i| and k = 1.345, found by iterated reweighting: a size that a busy core made
     slow pulls the line with bounded force instead of tilting it.
-    Repeats of a size collapse to their minimum first (see `fastest_per_size`).
+    Repeats of a size collapse to their median first (see `typical_per_size`).
     """
-    points = fastest_per_size(samples)
+    points = typical_per_size(samples)
     alpha, slope = _least_squares(points, [1.0] * len(points))
     for _ in range(_MAX_ITERATIONS):
         residuals = [(t - alpha - slope * x) / t for x, t in points]
@@ -98,17 +99,17 @@ def _least_squares(points: list[tuple[float, float]], weights: list[float]) -> t
 
 
 def collective_seconds(per_rank: Sequence[Sequence[float]]) -> float:
-    """One collective's time from per-rank repeats: min over repeats of the max over ranks.
+    """One collective's time from per-rank repeats: median over repeats of the max over ranks.
 
-    A collective ends when its slowest rank does (max over ranks); noise only adds time, so
-    the fastest repeat is the truest (min over repeats). `per_rank[rank][repeat]` seconds.
+    A collective ends when its slowest rank does (max over ranks); the typical repeat is
+    what a step meets (median over repeats). `per_rank[rank][repeat]` seconds.
     """
     repeats = {len(times) for times in per_rank}
     if not per_rank or len(repeats) != 1 or 0 in repeats:
         raise ValueError(
             f"every rank needs the same number (>= 1) of repeats, got {sorted(repeats)}"
         )
-    return min(max(column) for column in zip(*per_rank, strict=True))
+    return statistics.median(max(column) for column in zip(*per_rank, strict=True))
 
 
 def compute_slowdown(alone: Sequence[float], together: Sequence[Sequence[float]]) -> float:

@@ -10,7 +10,7 @@ measures one on the real backend; tests build them from made-up numbers.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 __all__: list[str] = []
@@ -74,6 +74,19 @@ class Machine:
             return 1.0
         return max(1.0, workers / self.cores)
 
+    def unshared(self) -> Machine:
+        """These links with their own group's core sharing taken out: a collective timed
+        over g workers that fill the cores ran g-fold shared, and the cost model stretches
+        the whole step by the plan's sharing afterwards (once, not twice)."""
+        if self.cores is None:
+            return self
+        links = {
+            op: {g: _slowed(link, self.slowdown(g)) if g >= self.cores else link
+                 for g, link in sizes.items()}
+            for op, sizes in self.links.items()
+        }  # fmt: skip
+        return replace(self, links=links)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -105,3 +118,9 @@ class Machine:
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2)
+
+
+def _slowed(link: Link, factor: float) -> Link:
+    """`link` `factor` times faster (never slower): its time with the sharing taken out."""
+    factor = max(1.0, factor)
+    return Link(alpha_s=link.alpha_s / factor, bytes_per_s=link.bytes_per_s * factor)

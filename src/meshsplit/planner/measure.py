@@ -14,6 +14,7 @@ device. Nothing here predicts; `cost.py` does.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from typing import Any
 
@@ -221,17 +222,17 @@ def _whole_step(
         loss_s.append(_time_loss(engine, output, targets))
     parameter_bytes = tensor_bytes(trainable)
     state = tensor_bytes(optimizer_tensors(engine.optimizer))
-    loss_forward, loss_backward = min(loss_s[1:])
-    parts = min(optimizer_s[1:]) + loss_forward + loss_backward
+    loss_forward, loss_backward = (statistics.median(t) for t in zip(*loss_s[1:], strict=True))
+    parts = statistics.median(optimizer_s[1:]) + loss_forward + loss_backward
     if items is not None:
         parts += sum(i.forward.at(n) + i.backward.at(n) for i in items)
     engine.close()
     return {
         "loss_forward": Line.per_row(loss_forward / n),
         "loss_backward": Line.per_row(loss_backward / n),
-        "optimizer_s_per_byte": min(optimizer_s[1:]) / max(1, parameter_bytes),
+        "optimizer_s_per_byte": statistics.median(optimizer_s[1:]) / max(1, parameter_bytes),
         "optimizer_state_per_byte": state / max(1, parameter_bytes),
-        "step_overhead_s": max(0.0, min(steps[1:]) - parts),
+        "step_overhead_s": max(0.0, statistics.median(steps[1:]) - parts),
         "parameter_bytes": tensor_bytes([*model.parameters(), *model.buffers()]),
     }
 
