@@ -15,13 +15,18 @@ from pathlib import Path
 
 from meshsplit.cli.compare import CompareConfig, accuracy, compare
 
+STEPS = 14
+"""Steps per plan: two untimed, and a median of 12 (one plan's median of 6 moved by 20-30%
+between runs here)."""
+
 
 def main() -> None:
     results = []
     models = sys.argv[1:] or ["mlp", "cnn", "transformer"]
     for model in models:
         for devices in (2, 4):
-            rows = compare(CompareConfig(model=model, devices=devices), show=False)
+            config = CompareConfig(model=model, devices=devices, steps=STEPS)
+            rows = compare(config, show=False)
             figures = accuracy(rows)
             per_plan = [
                 (row["plan"], row["step_s"], row.get("predicted_step_s"))

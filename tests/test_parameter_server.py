@@ -12,9 +12,17 @@ import torch.distributed as dist
 from test_hf_models import ATOL as HF_ATOL
 from test_hf_models import RTOL as HF_RTOL
 from test_hf_models import _batches, _build, _loss, _sgd, _single
+from test_planner_choose import _machine
 
 import meshsplit as ms
-from meshsplit.cli.compare import CompareConfig, _row, candidate_plans, reference_losses
+from meshsplit.cli.compare import (
+    CompareConfig,
+    _pricing,
+    _row,
+    accuracy,
+    candidate_plans,
+    reference_losses,
+)
 from meshsplit.data_parallel.ps_layout import cut_points, pieces, server_ranges
 
 from cli_runner import run_meshsplit
@@ -161,12 +169,18 @@ def test_compare_lists_parameter_server_plans_when_asked() -> None:
     assert all(p.world_size == 4 for p in plans)
 
 
-def test_compare_runs_a_parameter_server_plan_beside_the_reference() -> None:
+def test_compare_runs_a_parameter_server_plan_beside_the_reference_and_its_prediction() -> None:
     config = CompareConfig(model="mlp", devices=3, steps=3, batch_size=16, include_ps=True)
-    row = _row(config, ms.Plan(dp=2, sync="ps"), reference=reference_losses(config))
+    plans = [ms.Plan(dp=2, sync="ps"), ms.Plan(dp=2, sync="ps", staleness=2)]
+    priced = _pricing(config, plans, machine=_machine())
+    row = _row(config, plans[0], reference=reference_losses(config), pricing=priced)
     assert row["loss_matches"] is True  # synchronous: one process's losses
     assert len(row["peak_memory_bytes"]) == 3  # two workers and the server
     assert row["estimated_peak_bytes"] is None  # the estimate covers the mesh's ranks only
+    assert row["predicted_step_s"] > 0 and row["predicted_terms"]["communication_dp"] > 0
+    stale = _row(config, plans[1], reference=reference_losses(config), pricing=priced)
+    assert "predicted_step_s" not in stale  # the cost model prices staleness 0 only
+    assert accuracy([row, stale])["largest_memory_error"] == 0.0
 
 
 def test_train_command_runs_asynchronous_parameter_servers(tmp_path) -> None:

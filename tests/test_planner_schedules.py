@@ -7,7 +7,9 @@ parameter servers by their push, pull and optimizer step. No worker processes: p
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -20,7 +22,7 @@ from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
 from meshsplit.planner.schedule_cost import simulate_pipeline
 from meshsplit.planner.search import search
-from meshsplit.planner.sharing import _message_s_matching
+from meshsplit.planner.sharing import _mean_step_s, _message_s_matching
 from meshsplit.planner.workload import Item, Line, Workload
 
 MiB = 2**20
@@ -224,3 +226,13 @@ def test_a_link_timed_over_workers_that_fill_the_cores_is_not_stretched_twice() 
     crowded = predict(work, machine, ms.Plan(dp=4))
     roomy = predict(work, replace(machine, compute_slowdown={4: 1.0}), ms.Plan(dp=4))
     assert crowded.terms["communication_dp"] == pytest.approx(roomy.terms["communication_dp"] / 2.5)
+
+
+def test_a_step_shared_in_time_slices_counts_its_preempted_steps() -> None:
+    calls = itertools.count()
+
+    def step() -> None:  # two of three steps at full speed, every third waits 30 ms for a core
+        time.sleep(0.030 if next(calls) % 3 == 2 else 0.001)
+
+    # the median step is 1 ms; the mean over the window is what the workers' sharing costs
+    assert _mean_step_s(step, window_s=0.2) > 0.9 * (0.030 + 2 * 0.001) / 3

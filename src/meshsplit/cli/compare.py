@@ -228,8 +228,11 @@ def _record_step(config: CompareConfig, plan: Plan) -> list[timeline.Event]:
     return events
 
 
-def _pricing(config: CompareConfig, plans: list[Plan]) -> tuple[Workload, Machine]:
-    """The planner's view of the model and this machine, to predict each plan beside its run."""
+def _pricing(
+    config: CompareConfig, plans: list[Plan], machine: Machine | None = None
+) -> tuple[Workload, Machine]:
+    """The planner's view of the model and this machine (measured unless given), to predict
+    each plan beside its run."""
     return pricing(
         _model(config),
         batches(config)[0],
@@ -239,6 +242,7 @@ def _pricing(config: CompareConfig, plans: list[Plan]) -> tuple[Workload, Machin
         optimizer=_optimizer,
         loss_fn=_loss_fn(config),
         precision=config.precision,
+        machine=machine,
     )
 
 
@@ -258,13 +262,14 @@ def accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
     memory = [
         abs(p - m) / m
         for r in ran
+        if r["estimated_peak_bytes"] is not None  # servers' plans have no estimate
         for p, m in zip(r["estimated_peak_bytes"], r["tensor_peak_bytes"], strict=True)
     ]
     predicted_best = min(ran, key=lambda r: r["predicted_step_s"])
     fastest = min(r["step_s"] for r in ran)
     return {
         "step_time_mape": sum(errors) / len(errors),
-        "largest_memory_error": max(memory),
+        "largest_memory_error": max(memory, default=0.0),
         "predicted_best": predicted_best["plan"],
         "measured_best": min(ran, key=lambda r: r["step_s"])["plan"],
         "predicted_best_within_5pct": predicted_best["step_s"] <= 1.05 * fastest,
@@ -303,7 +308,8 @@ def _row(
     matched = torch.allclose(
         torch.tensor(losses), torch.tensor(reference), rtol=config.loss_rtol, atol=1e-6
     )
-    prediction = None if estimate is None else _predicted(pricing, plan)
+    # the cost model prices synchronous servers (staleness 0), not asynchronous ones
+    prediction = None if plan.staleness else _predicted(pricing, plan)
     if prediction is not None:
         row["predicted_step_s"] = prediction.step_time_s
         row["predicted_terms"] = prediction.terms

@@ -1,8 +1,9 @@
 """How workers on one host slow each other down, measured for one model in real workers.
 
-On a host whose cores the workers share, the cost model needs two numbers that no isolated
-profile shows: how much longer a step takes when every worker runs one at once, and what a
-message costs to a rank that sleeps waiting for it (it may then wait for a core too).
+On a host whose cores the workers share, the cost model needs numbers that no isolated
+profile shows: how much longer a step takes when every worker runs one at once, what a
+message between pipeline stages costs (its receiver sleeps, then waits for a core), and
+what a blocking collective costs when every rank is busy between them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from meshsplit.job.worker import threads_per_worker
 from meshsplit.mesh import job_timeout
 from meshsplit.pipeline.schedules import Action
 from meshsplit.plan import Plan
-from meshsplit.planner.schedule_cost import plan_actions, replay
+from meshsplit.planner.schedule_cost import plan_actions, simulate_pipeline
 from meshsplit.runtime.parallelize import OptimizerFactory
 
 __all__: list[str] = []
@@ -52,27 +53,19 @@ def measure_sharing(
     *,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
-    steps: int = 6,
+    window_s: float = 0.4,
 ) -> Sharing:
     """How `workers` processes on this host slow each other down, for this model.
 
     A matmul loop understates the slowdown (a step is many small ops), and an idle pair of
     ranks understates what a message or a collective costs when the ranks compete for cores.
     """
-    threads, rng = torch.get_num_threads(), torch.get_rng_state()
-    try:  # alone: here, with the threads a worker gets, leaving this process as it was
-        alone = _step_median(model, batch, optimizer, loss_fn, steps, workers)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
-    together = launch(
-        _plain_steps, workers, args=(model, batch, optimizer, loss_fn, steps, workers)
-    )
-    sizes = together[0][2]
+    results = launch(_plain_steps, workers, args=(model, batch, optimizer, loss_fn, window_s))
+    alone, sizes = results[0][0], results[0][3]
     return Sharing(
-        slowdown=max(1.0, max(t for t, _, _ in together) / alone),
-        message_s=max(m for _, m, _ in together),
-        lockstep_s={size: max(r[2][size] for r in together) for size in sizes},
+        slowdown=max(1.0, max(r[1] for r in results) / alone),
+        message_s=max(r[2] for r in results),
+        lockstep_s={size: max(r[3][size] for r in results) for size in sizes},
     )
 
 
@@ -81,25 +74,29 @@ def _plain_steps(
     batch: tuple[Any, Any],
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
-    steps: int,
-    workers: int,
-) -> tuple[float, float, dict[int, float]]:
-    """Runs in each worker: its step time (below), the seconds of one message around a ring
-    of the workers, and of a collective in lockstep."""
-    step = _step_median(model, batch, optimizer, loss_fn, steps, workers)
-    return step, _pipeline_message_s(), _lockstep_s()
+    window_s: float,
+) -> tuple[float, float, float, dict[int, float]]:
+    """Runs in each worker: rank 0's step time alone while the others wait in a barrier (in
+    the job, so no process outside it is still starting or ending), every rank's with all
+    of them stepping at once, the seconds of a pipeline's message, and of a collective in
+    lockstep."""
+    workers = dist.get_world_size()
+    step = _plain_step(model, batch, optimizer, loss_fn, workers)
+    alone = _mean_step_s(step, window_s) if not dist.get_rank() else 0.0
+    dist.barrier()  # the others start together: without it the first would step alone
+    together = _mean_step_s(step, window_s)
+    return alone, together, _pipeline_message_s(), _lockstep_s()
 
 
-def _step_median(
+def _plain_step(
     model: nn.Module,
     batch: tuple[Any, Any],
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
-    steps: int,
     workers: int,
-) -> float:
-    """The median of `steps` unsplit steps on 1/workers of the batch, with the threads one
-    of `workers` local workers gets."""
+) -> Callable[[], None]:
+    """One unsplit step on 1/workers of the batch, with the threads one of `workers` local
+    workers gets."""
     torch.set_num_threads(threads_per_worker(workers))
     inputs, targets = batch
     share = max(1, rows(inputs) // workers)
@@ -107,17 +104,32 @@ def _step_median(
     plain = copy.deepcopy(model)
     step_optimizer = (optimizer or (lambda p: torch.optim.SGD(p, lr=0.01)))(plain.parameters())
     loss_of = loss_fn or nn.CrossEntropyLoss()
-    times = []
-    for _ in range(steps + 2):
-        started = time.perf_counter()
+
+    def step() -> None:
         step_optimizer.zero_grad()
         loss_of(call_model(plain, x), y).backward()
         step_optimizer.step()
-        times.append(time.perf_counter() - started)
-    return sorted(times[2:])[len(times[2:]) // 2]
+
+    return step
 
 
-def _pipeline_message_s(rounds: int = 6) -> float:
+def _mean_step_s(step: Callable[[], None], window_s: float) -> float:
+    """Seconds per step over at least `window_s` (and 4 steps) after two untimed ones.
+
+    A mean over a window, not a median of steps: workers on too few cores take turns in
+    slices of several milliseconds, so most single steps run at full speed and the median
+    misses the sharing that the step count over the window shows.
+    """
+    for _ in range(2):
+        step()
+    count, started = 0, time.perf_counter()
+    while count < 4 or time.perf_counter() - started < window_s:
+        step()
+        count += 1
+    return (time.perf_counter() - started) / count
+
+
+def _pipeline_message_s(rounds: int = 10) -> float:
     """Seconds per message that the cost model's replay of a 1F1B pipeline over every rank
     needs to reproduce that pipeline run for real, with bursts of work as its stages.
 
@@ -180,12 +192,14 @@ def _run_pipeline(
 
 
 def _message_s_matching(plan: Plan, forward_s: float, backward_s: float, measured: float) -> float:
-    """The per-message seconds at which `replay` of `plan` (these burst times on every
-    stage) lasts `measured`: 0 when even free messages do not reach it (bisection)."""
+    """The per-message seconds at which the cost model's replay of `plan` (these burst
+    times on every stage) lasts `measured`: 0 when even free messages do not reach it
+    (bisection; `simulate_pipeline` directly, leaving the planner's replay cache alone)."""
+    actions = plan_actions(plan)
 
     def replayed(message_s: float) -> float:
         stages = [forward_s] * plan.pp, [backward_s] * plan.pp, [message_s] * plan.pp
-        return max(interval.end_s for interval in replay(plan, *stages, [0.0] * plan.pp))
+        return max(i.end_s for i in simulate_pipeline(actions, *stages))
 
     low, high = 0.0, measured
     if replayed(low) >= measured:
@@ -196,7 +210,11 @@ def _message_s_matching(plan: Plan, forward_s: float, backward_s: float, measure
     return low
 
 
-def _lockstep_s(rounds: int = 12) -> dict[int, float]:
+_LOCKSTEP_MATMULS = 1
+"""The work between two collectives: ~0.4 ms on one core, an operator-split layer's worth."""
+
+
+def _lockstep_s(rounds: int = 30) -> dict[int, float]:
     """Per group size (pairs, and every rank): seconds a small all-reduce adds after each
     burst of work when every rank works and then synchronises, less the burst run by all
     ranks at once without synchronising."""
@@ -209,7 +227,7 @@ def _lockstep_s(rounds: int = 12) -> dict[int, float]:
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
 
     def burst() -> None:
-        for _ in range(4):
+        for _ in range(_LOCKSTEP_MATMULS):
             work @ work
 
     dist.barrier()
