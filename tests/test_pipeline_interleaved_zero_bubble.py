@@ -34,6 +34,8 @@ FOUR: list[dict[str, Any]] = [
     {"dp": 2, "pp": 2, "micro_batches": 2, **INTERLEAVED},
     {"dp": 2, "pp": 2, "micro_batches": 2, **ZERO_BUBBLE},
     {"dp": 2, "pp": 2, "micro_batches": 2, **ZERO_BUBBLE, "zero": 2},
+    {"dp": 2, "pp": 2, "micro_batches": 2, **ZERO_BUBBLE, "zero": 3},
+    {"dp": 2, "pp": 2, "micro_batches": 2, **INTERLEAVED, "zero": 2},
     {"pp": 2, "tp": 2, "micro_batches": 4, **INTERLEAVED, "recompute": "except_last"},
     {"pp": 2, "tp": 2, "micro_batches": 4, **ZERO_BUBBLE},
 ]
