@@ -22,6 +22,7 @@ PLANS = {
     "1f1b": ms.Plan(pp=2, micro_batches=4, schedule="1f1b"),
     "gpipe": ms.Plan(pp=2, micro_batches=4, schedule="gpipe"),
     "dp": ms.Plan(dp=2, micro_batches=2),
+    "tp": ms.Plan(tp=2),
 }
 
 
@@ -96,6 +97,14 @@ def test_waits_name_what_each_rank_waited_for(recorded) -> None:
         reduces = [e for e in mine if e.name == "all-reduce wait"]
         assert reduces and all(sync.start_s <= e.start_s <= e.end_s <= sync.end_s for e in reduces)
         assert all(e.depth == 1 and e.args["bytes"] > 0 for e in reduces)
+        # an operator split waits for its tp peer inside the forward (this MLP's backward
+        # needs no collective: the first layer's input takes no gradient)
+        tp = [e for e in recorded["tp"] if e.rank == rank]
+        (forward,) = [e for e in tp if e.kind == "forward"]
+        waits = [e for e in tp if e.kind == "wait"]
+        assert waits and all(e.name == "tp all-reduce wait" for e in waits)
+        assert all(forward.start_s <= e.start_s <= e.end_s <= forward.end_s for e in waits)
+        assert all(e.depth == 1 and e.args["bytes"] > 0 for e in waits)
 
 
 def _predicted(name: str, tick_s: float = 1e-3) -> list[Event]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.gather import all_gather_flat
+from meshsplit.phases import waiting
 
 __all__ = [
     "InputCopies",
@@ -75,7 +76,8 @@ def all_reduce_fresh(
     """Reduce over `group` into a fresh tensor (autograd may share the input with other nodes)."""
     shaped = staging(group).area(tensor.numel(), tensor).view(tensor.shape)
     shaped.copy_(tensor)
-    dist.all_reduce(shaped, op=op, group=group)
+    with waiting("tp all-reduce wait", lambda: {"bytes": _nbytes(shaped)}):
+        dist.all_reduce(shaped, op=op, group=group)
     return shaped.clone()
 
 
@@ -97,8 +99,14 @@ def all_gather_along(
         mine.copy_(tensor)
     else:
         rows, mine = tensor.new_empty(stacked), tensor.contiguous()
-    all_gather_flat(rows, mine, group=group)
+    with waiting("tp all-gather wait", lambda: {"bytes": _nbytes(mine)}):
+        all_gather_flat(rows, mine, group=group)
     return torch.cat(rows.chunk(size), dim=dim)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """This rank's payload, for a timeline's wait."""
+    return tensor.numel() * tensor.element_size()
 
 
 def _own_slice(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
