@@ -20,7 +20,7 @@ from torch import nn
 
 import meshsplit as ms
 from meshsplit.cli.compare import CompareConfig, candidate_plans, reference_losses
-from meshsplit.planner.cost import predict
+from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.measure import measure_workload
 
 from cli_runner import run_meshsplit
@@ -167,8 +167,9 @@ def test_choose_plan_ranks_every_plan_under_the_precision_asked_for() -> None:
     assert all(p.precision == "bf16-mixed" and p.reduce_dtype == "bf16" for p in plans)
     assert mixed.rows[0].memory_source == "estimate"
     full = {_key(row.plan): row.prediction for row in reports["fp32"].rows}
-    # a layer split cuts where each precision's own timings balance it: compare like cuts
-    alike = [r for r in mixed.rows if full[_key(r.plan)].stages == r.prediction.stages]
+    # each precision's own timings balance the layer split and name the slowest stage, whose
+    # bytes a prediction reports: compare where both cut alike and name the same stage
+    alike = [r for r in mixed.rows if _alike(full[_key(r.plan)], r.prediction)]
     assert sum(r.plan.pp == 1 for r in alike) == sum(r.plan.pp == 1 for r in mixed.rows) > 0
     for row in alike:
         bytes_per_step = row.prediction.bytes_per_step
@@ -182,6 +183,11 @@ def test_choose_plan_ranks_every_plan_under_the_precision_asked_for() -> None:
         assert bytes_per_step["tp"] <= fp32["tp"]
     with pytest.raises(ms.PlanError, match="precision"):
         ms.choose_plan(model, batch, 4, machine=_machine(), precision="fp8")
+
+
+def _alike(first: Prediction, second: Prediction) -> bool:
+    """Whether two predictions cut the layers alike and report the same (slowest) stage."""
+    return (first.stages, first.critical_stage) == (second.stages, second.critical_stage)
 
 
 def _key(plan: ms.Plan) -> ms.Plan:
