@@ -67,7 +67,7 @@ class Mesh:
     @property
     def is_server(self) -> bool:
         """Whether this process is a parameter server, outside the workers' mesh."""
-        return self.device_mesh.get_coordinate() is None
+        return self._coordinate is None
 
     @cached_property
     def world(self) -> dist.ProcessGroup:

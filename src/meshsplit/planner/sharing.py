@@ -145,22 +145,18 @@ def _pipeline_message_s(rounds: int = 10) -> float:
     plan = Plan(pp=world, micro_batches=2 * world)
     rank, work = dist.get_rank(), torch.randn(128, 128)
     activation = torch.zeros(8192)  # 32 KiB each way, about a small model's boundary
-
-    def burst(matmuls: int) -> None:
-        for _ in range(matmuls):
-            work @ work
-
+    actions = plan_actions(plan)[rank]
     dist.barrier()
     started = time.perf_counter()
     for _ in range(rounds):
-        burst(_FORWARD_MATMULS + _BACKWARD_MATMULS)
+        _matmuls(work, _FORWARD_MATMULS + _BACKWARD_MATMULS)
     together = (time.perf_counter() - started) / rounds  # every rank at once, no messages
     forward_s = together * _FORWARD_MATMULS / (_FORWARD_MATMULS + _BACKWARD_MATMULS)
     steps = []
     for _ in range(rounds):
         dist.barrier()
         started = time.perf_counter()
-        _run_pipeline(plan_actions(plan)[rank], rank, world, activation, burst)
+        _run_pipeline(actions, rank, world, activation, work)
         elapsed = torch.tensor([time.perf_counter() - started])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         steps.append(float(elapsed))
@@ -173,7 +169,7 @@ _FORWARD_MATMULS, _BACKWARD_MATMULS = 3, 6
 
 
 def _run_pipeline(
-    actions: list[Action], rank: int, world: int, buffer: torch.Tensor, burst: Callable[[int], None]
+    actions: list[Action], rank: int, world: int, buffer: torch.Tensor, work: torch.Tensor
 ) -> None:
     """This rank's 1F1B actions with real messages: activations forward, gradients back."""
     sends = []
@@ -182,7 +178,7 @@ def _run_pipeline(
         source = rank - 1 if forward else rank + 1
         if 0 <= source < world:
             dist.recv(buffer, source, tag=int(not forward))
-        burst(_FORWARD_MATMULS if forward else _BACKWARD_MATMULS)
+        _matmuls(work, _FORWARD_MATMULS if forward else _BACKWARD_MATMULS)
         target = rank + 1 if forward else rank - 1
         if 0 <= target < world:
             sends.append(dist.isend(buffer.clone(), target, tag=int(not forward)))
@@ -226,21 +222,23 @@ def _lockstep_s(rounds: int = 30) -> dict[int, float]:
     pairs = [dist.new_group([2 * i, 2 * i + 1], timeout=bound) for i in range(world // 2)]
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
 
-    def burst() -> None:
-        for _ in range(_LOCKSTEP_MATMULS):
-            work @ work
-
     dist.barrier()
     started = time.perf_counter()
     for _ in range(rounds):
-        burst()
+        _matmuls(work, _LOCKSTEP_MATMULS)
     loaded = (time.perf_counter() - started) / rounds
     result = {}
     for size, group in sorted(groups.items()):
         dist.barrier()
         started = time.perf_counter()
         for _ in range(rounds):
-            burst()
+            _matmuls(work, _LOCKSTEP_MATMULS)
             dist.all_reduce(token, group=group)
         result[size] = max(0.0, (time.perf_counter() - started) / rounds - loaded)
     return result
+
+
+def _matmuls(work: torch.Tensor, count: int) -> None:
+    """A burst of work between messages or collectives: `count` products of `work`."""
+    for _ in range(count):
+        work @ work

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.gather import all_gather_flat
+from meshsplit.memory.report import tensor_bytes
 from meshsplit.phases import waiting
 
 __all__ = [
@@ -76,7 +77,7 @@ def all_reduce_fresh(
     """Reduce over `group` into a fresh tensor (autograd may share the input with other nodes)."""
     shaped = staging(group).area(tensor.numel(), tensor).view(tensor.shape)
     shaped.copy_(tensor)
-    with waiting("tp all-reduce wait", lambda: {"bytes": _nbytes(shaped)}):
+    with waiting("tp all-reduce wait", lambda: {"bytes": tensor_bytes([shaped])}):
         dist.all_reduce(shaped, op=op, group=group)
     return shaped.clone()
 
@@ -99,14 +100,9 @@ def all_gather_along(
         mine.copy_(tensor)
     else:
         rows, mine = tensor.new_empty(stacked), tensor.contiguous()
-    with waiting("tp all-gather wait", lambda: {"bytes": _nbytes(mine)}):
+    with waiting("tp all-gather wait", lambda: {"bytes": tensor_bytes([mine])}):
         all_gather_flat(rows, mine, group=group)
     return torch.cat(rows.chunk(size), dim=dim)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    """This rank's payload, for a timeline's wait."""
-    return tensor.numel() * tensor.element_size()
 
 
 def _own_slice(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
