@@ -31,6 +31,11 @@ class _Bucket:
     """The gradients alone: a view of flat."""
     params: list[nn.Parameter]
     arrivals: int = 0
+    expected: int | None = None
+    """Gradient accumulations that complete it in a step: learnt in the first step (a
+    parameter that two chunks of a pipeline rank use accumulates twice per micro-batch)."""
+    counts: list[int] = field(default_factory=list)
+    """Accumulations per parameter while `expected` is learnt."""
     work: Any = None
     wire: torch.Tensor | None = None
     """The bucket cast to the reduce dtype while its all-reduce runs (none in its own dtype)."""
@@ -76,29 +81,44 @@ class GradientSync:
         size = sum(p.numel() for p in params)
         extra = self.riders if not self.buckets else 0
         flat = torch.zeros(size + extra, dtype=first.dtype, device=first.device)
-        bucket = _Bucket(flat=flat, grads=flat[:size], params=params)
+        bucket = _Bucket(flat=flat, grads=flat[:size], params=params, counts=[0] * len(params))
         offset = 0
-        for p in params:
+        for index, p in enumerate(params):
             view = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             p.grad = view
             bucket.views.append(view)
             if self.active:  # the hook knows its bucket and view: no lookup per gradient
-                arrived = functools.partial(self._arrived, bucket, view)
+                arrived = functools.partial(self._arrived, bucket, index, view)
                 self._hooks.append(p.register_post_accumulate_grad_hook(arrived))
         self.buckets.append(bucket)
 
     def begin_step(self, backward_passes: int) -> None:
-        """Announce how many backward passes (micro-batches) reach each parameter this step."""
+        """Announce how many backward passes (micro-batches) reach each parameter this step;
+        a step with another number than the last learns its buckets' arrivals again."""
+        if backward_passes != self._expected:
+            for bucket in self.buckets:
+                bucket.expected, bucket.counts = None, [0] * len(bucket.params)
         self._expected = backward_passes
 
-    def _arrived(self, bucket: _Bucket, view: torch.Tensor, param: torch.Tensor) -> None:
+    def _arrived(
+        self, bucket: _Bucket, index: int, view: torch.Tensor, param: torch.Tensor
+    ) -> None:
+        if bucket.work is not None:
+            raise RuntimeError(
+                f"a gradient ({tuple(param.shape)}) accumulated after its bucket's all-reduce "
+                f"had started: this step reached it more often than the first step did "
+                f"({bucket.expected} accumulations complete its bucket); keep which layers "
+                "run, and how often, the same from step to step"
+            )
         grad = param.grad
         if grad is not None and grad is not view:  # .grad was reset: fold it back
             view.copy_(grad)
             param.grad = view
         bucket.arrivals += 1
-        if bucket.arrivals == self._expected * len(bucket.params):
+        if bucket.expected is None:  # the first step: counted, reduced in finish
+            bucket.counts[index] += 1
+        elif bucket.arrivals == bucket.expected:
             self._load_riders(bucket)
             bucket.work = dist.all_reduce(self._on_wire(bucket), group=self.group, async_op=True)
 
@@ -137,6 +157,8 @@ class GradientSync:
                     bucket.wire = None
             bucket.work = None
             bucket.arrivals = 0
+            if bucket.expected is None:  # each parameter at least once per backward pass
+                bucket.expected = sum(max(n, self._expected) for n in bucket.counts)
             if self.scan:  # reduced buckets are alike on every replica: each reads 1/dp of one
                 # (all of it when the riders carry no gradient flag to sum over replicas)
                 share = (

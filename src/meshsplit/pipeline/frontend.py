@@ -80,7 +80,10 @@ def layer_graph(model: nn.Module, example: torch.Tensor | None = None) -> LayerG
 
 def _from_sequential(model: nn.Sequential) -> LayerGraph:
     layers, previous = [], "input"
-    for name, child in model.named_children():
+    # every entry, as Sequential.forward runs them: one module listed twice is two layers
+    for name, child in model._modules.items():
+        if child is None:
+            continue
         layers.append(
             Layer(
                 name=name,

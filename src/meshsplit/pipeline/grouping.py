@@ -34,8 +34,8 @@ def units(model: nn.Module) -> set[str]:
     pieces = piece_names(model)
     top = {
         name
-        for name, _ in model.named_children()
-        if not any(piece.startswith(name + ".") for piece in pieces)
+        for name, child in model._modules.items()  # a module listed twice: both its names
+        if child is not None and not any(piece.startswith(name + ".") for piece in pieces)
     }
     return top | set(pieces)
 
