@@ -129,6 +129,12 @@ MORE: dict[str, Callable[[], nn.Module]] = {
         attention_dropout=0.0,
         seq_classif_dropout=0.0,
     ),  # fmt: skip
+    # FalconLinear: Linear's forward spelled out; the MLP's output added to in place; one
+    # key/value head (kept whole under tp)
+    "falcon": _causal(
+        "FalconForCausalLM", "FalconConfig", **_LM, hidden_dropout=0.0, attention_dropout=0.0
+    ),
+    "gemma": _causal("GemmaForCausalLM", "GemmaConfig", **_GQA, head_dim=8),
     "roberta": _causal(
         "RobertaForSequenceClassification",
         "RobertaConfig",

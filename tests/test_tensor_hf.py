@@ -132,6 +132,41 @@ def test_a_subclass_with_its_own_forward_is_kept_whole() -> None:
     assert (d["1"].split, d["3"].split) == ("column", "row")
 
 
+class SpelledOut(nn.Linear):
+    """Falcon's FalconLinear: Linear's own computation, written out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class Shifted(nn.Linear):
+    """A forward that adds something of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1.0
+
+
+class InPlaceSum(nn.Module):
+    """Falcon's parallel block: the MLP's output is added to in place after its row layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.side = SpelledOut(16, 64), SpelledOut(64, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(torch.relu(self.up(x)))
+        out += self.side(x)
+        return out
+
+
+def test_a_subclass_that_only_spells_out_the_base_is_split() -> None:
+    model = nn.Sequential(InPlaceSum(), Shifted(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(4, 16))}
+    assert (d["0.up"].split, d["0.down"].split) == ("column", "row"), d["0.down"].reason
+    assert d["1"].split == "replicate"
+    assert d["1"].reason == "own forward: Shifted kept whole"
+
+
 def test_a_user_plan_overrides_the_models_plan() -> None:
     down = "m.model.layers.0.mlp.down_proj"
     d = _decisions("llama", TP, tp_plan={down: "replicate"})

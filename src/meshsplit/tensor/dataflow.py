@@ -92,6 +92,11 @@ def _same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
     return len(first) == len(second) and all(map(torch.equal, first, second))
 
 
+def _copy(value: Any) -> Any:
+    """A tensor's detached copy (other values as they are)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
 class _Trace:
     """One clean forward: every candidate's input, output and call count, in call order."""
 
@@ -107,8 +112,9 @@ class _Trace:
     def _recorder(self, name: str, module: nn.Module) -> Callable[[], Any]:
         def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
             self.calls[name] += 1
-            self.inputs.setdefault(name, args[0])
-            self.outputs.setdefault(name, output)
+            if name not in self.outputs:  # copies: the model may add to them in place after
+                self.inputs[name] = _copy(args[0])  # (Falcon: mlp_output += attention_output)
+                self.outputs[name] = _copy(output)
 
         return lambda: module.register_forward_hook(hook)
 
@@ -245,7 +251,7 @@ def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[N
     register = [_column(trace, n, parts, rank, tp) for p in pairs for n, parts in p.columns.items()]
     rows = [trace.layers[pair.row] for pair in pairs]
     for pair, row in zip(pairs, rows, strict=True):
-        row.forward = lambda *_, whole=trace.outputs[pair.row], **__: whole
+        row.forward = lambda *_, whole=trace.outputs[pair.row], **__: _copy(whole)
     per_rank = tuple(path for pair in pairs for path in pair.per_rank)
     try:
         with _hooks(register), divided(trace.model, per_rank, tp):

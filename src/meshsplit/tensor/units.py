@@ -3,7 +3,9 @@
 A *unit* is a layer meshsplit has a parallel form for: Linear, Hugging Face Conv1D, Conv2d,
 Embedding, or an attention module (Linear children q, k, v, out and an int `n_heads`). A
 subclass that brings its own forward (OPT's learned positional embedding offsets its ids) is
-not a unit: a parallel layer would drop that behaviour, so it is kept whole. Layers that share
+not a unit: a parallel layer would drop that behaviour, so it is kept whole; unless it holds
+only the base's tensors and gives the base's output on a probe (Falcon's `FalconLinear`
+spells out `x @ W.T + b`), then it is the base written another way. Layers that share
 a parameter are units only as an Embedding tied to an output Linear (GPT-2's wte/lm_head),
 split once along the vocabulary; any other sharing is kept whole.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshsplit.plan import PlanError
@@ -100,11 +103,47 @@ def is_attention(module: nn.Module) -> bool:
 
 
 def own_forward(module: nn.Module) -> str | None:
-    """The subclass that overrides a base layer's forward, if any."""
+    """The subclass that overrides a base layer's forward with a behaviour of its own, if any."""
     for base in BASES:
         if isinstance(module, base) and type(module).forward is not base.forward:
-            return type(module).__name__
+            return None if _same_as_base(module, base) else type(module).__name__
     return None
+
+
+def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
+    """Whether `module` holds just what `base` holds and its forward gives the base's output
+    on a random probe, in training and eval mode (random draws from a generator of its own:
+    the user's random stream is left as it was)."""
+    names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    tensors = [*module.parameters(), *module.buffers()]
+    if names - {"weight", "bias"} or any(t.is_meta for t in tensors) or module._forward_hooks:
+        return False
+    weight = next(module.parameters())
+    device, dtype = weight.device, weight.dtype
+    probe = torch.Generator(device=device).manual_seed(0)
+    if isinstance(module, nn.Embedding):
+        x = torch.randint(0, module.num_embeddings, (2, 3), generator=probe, device=device)
+    elif isinstance(module, nn.Conv2d):
+        size = (1, module.in_channels, *(2 * k + 1 for k in module.kernel_size))
+        x = torch.randn(size, generator=probe, device=device, dtype=dtype)
+    else:
+        shape = (2, 3, int(getattr(module, "in_features")))  # noqa: B009
+        x = torch.randn(shape, generator=probe, device=device, dtype=dtype)
+    was_training = module.training
+    try:
+        with torch.no_grad():
+            for mode in (True, False):
+                module.train(mode)
+                own, plain = module(x), base.forward(module, x)
+                if not (isinstance(own, torch.Tensor) and own.shape == plain.shape):
+                    return False
+                if not torch.allclose(own, plain, rtol=1e-5, atol=1e-6):
+                    return False
+    except Exception:  # a forward that wants other inputs is not the base's
+        return False
+    finally:
+        module.train(was_training)
+    return True
 
 
 def kind_of(module: nn.Module) -> str | None:
