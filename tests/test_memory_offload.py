@@ -164,6 +164,11 @@ def test_unsupported_offloads_are_refused_at_build() -> None:
         offload.check(ms.Plan(offload="activations"), cpu)
     with pytest.raises(ms.PlanError, match=r"offload='optimizer' with zero=1.*zero=0"):
         offload.check(ms.Plan(dp=2, zero=1, offload="optimizer"), cpu)
+    # each refusal gives its own reason: on a CPU activations are on the host already
+    with pytest.raises(ms.PlanError, match=r"computes on cpu"):
+        offload.check(ms.Plan(dp=2, zero=3, offload="activations"), cpu)
+    with pytest.raises(ms.PlanError, match=r"activations to the host is not proven.*zero=0"):
+        offload.check(ms.Plan(dp=2, zero=3, offload="activations"), gpu)
     with pytest.raises(ms.PlanError, match=r"compress='bf16'"):
         offload.check(ms.Plan(offload="activations", compress="bf16"), gpu)
     offload.check(ms.Plan(offload="activations"), gpu)

@@ -34,20 +34,24 @@ def check(plan: Plan, device: torch.device) -> None:
     """Refuse, at build, an offload this rank cannot do."""
     if plan.offload == "none":
         return
-    if plan.zero > 0:
-        raise PlanError(
-            f"Plan.offload={plan.offload!r} with zero={plan.zero} is not supported: offload "
-            "keeps the whole optimizer of this rank's parameters, unsharded; use zero=0 with "
-            f"offload={plan.offload!r}, or zero={plan.zero} with offload='none'"
-        )
-    if plan.offload != "activations":
-        return
-    if device.type != "cuda":
+    if plan.offload == "activations" and device.type != "cuda":
         raise PlanError(
             "Plan.offload='activations' moves tensors saved for backward from the GPU to the "
             f"host; this rank computes on {device.type}, where they already are; use "
             "offload='optimizer' or compress='bf16'"
         )
+    if plan.zero > 0:
+        why = (
+            "offload keeps the whole optimizer of this rank's parameters, unsharded"
+            if plan.offload == "optimizer"
+            else "moving saved activations to the host is not proven together with ZeRO yet"
+        )
+        raise PlanError(
+            f"Plan.offload={plan.offload!r} with zero={plan.zero} is not supported: {why}; "
+            f"use zero=0 with offload={plan.offload!r}, or zero={plan.zero} with offload='none'"
+        )
+    if plan.offload != "activations":
+        return
     if plan.compress != "none":
         raise PlanError(
             f"Plan.offload='activations' with compress={plan.compress!r}: both repack the "
