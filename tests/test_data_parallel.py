@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import meshsplit as ms
+from meshsplit.data_parallel.allreduce import GradientSync
 
 from reference import OPTIMIZERS, assert_matches, train_parallel, train_single
 
@@ -118,3 +120,24 @@ def test_under_data_parallel_alone_the_step_adds_no_collective_to_the_buckets() 
     piped = ms.Plan(pp=2, micro_batches=2)
     for calls, _ in ms.launch(_all_reduces_per_step, 2, args=(piped,)):
         assert calls == 1, calls
+
+
+def _sometimes_unused() -> list[list[float]]:
+    """Two weights in one bucket; the second gets no gradient in the second step."""
+    used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    sync = GradientSync([used, unused], dist.group.WORLD, bucket_mb=1.0)
+    seen = []
+    for both in (True, False, True):
+        sync.begin_step(1)
+        loss = (used * 2).sum() + ((unused * 3).sum() if both else 0)
+        loss.backward()
+        sync.finish()
+        seen.append([*used.grad.tolist(), *unused.grad.tolist()])
+        sync.zero_grad()
+        assert used.grad is None and unused.grad is None  # dropped between steps, as DDP's
+    return seen
+
+
+def test_a_weight_no_gradient_reaches_reads_zeros_not_the_last_steps() -> None:
+    for seen in ms.launch(_sometimes_unused, 2, timeout_s=60):
+        assert seen == [[4.0] * 3 + [6.0] * 2, [4.0] * 3 + [0.0] * 2, [4.0] * 3 + [6.0] * 2]

@@ -1,7 +1,8 @@
 """Data parallel: gradient sync over dp while backward runs, and the replicas' outputs.
 
-Every `.grad` is a view into a flat bucket, so autograd accumulates straight into it and a
-bucket's all-reduce starts, asynchronously, as soon as its last gradient of the step arrives.
+Every `.grad` is a view into a flat bucket: a step's first gradient is copied into it (the
+gradients are dropped between steps), later ones accumulate straight into it, and a bucket's
+all-reduce starts, asynchronously, as soon as its last gradient of the step arrives.
 The loss is pre-scaled by each replica's share, so the sum over dp is the global-batch gradient.
 Rationale: docs/internals.md#data_parallelallreducepy
 """
@@ -145,6 +146,7 @@ class GradientSync:
         self._sums = []
         for index, bucket in enumerate(self.buckets):
             if bucket.work is None:  # not started in backward (or one replica: never)
+                _fold(bucket)
                 self._load_riders(bucket)
             if self.active:
                 with waiting("all-reduce wait", functools.partial(_bucket_args, index, bucket)):
@@ -171,9 +173,12 @@ class GradientSync:
                 p.grad = view
 
     def zero_grad(self) -> None:
-        """Zero the buffers in place; the gradients stay views into them."""
+        """Drop the gradients: a step's first one lands in its view as a copy, not as an
+        addition to zeros written for it (a pass over the buffers saved, as DDP's
+        set_to_none does); a parameter no gradient reaches reads zeros (see _fold)."""
         for bucket in self.buckets:
-            bucket.flat.zero_()
+            for p in bucket.params:
+                p.grad = None
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """The buffers every gradient lives in."""
@@ -233,6 +238,17 @@ class LocalGradients:
 
     def close(self) -> None:
         self.params = []
+
+
+def _fold(bucket: _Bucket) -> None:
+    """Every gradient of a bucket reduced after backward into its view: copied in where a
+    hook did not already, zero where no gradient came this step."""
+    for p, view in zip(bucket.params, bucket.views, strict=True):
+        if p.grad is None:
+            view.zero_()
+        elif p.grad is not view:
+            view.copy_(p.grad)
+        p.grad = view
 
 
 def _bucket_args(index: int, bucket: _Bucket) -> dict[str, Any]:
