@@ -175,8 +175,13 @@ class GradientSync:
     def zero_grad(self) -> None:
         """Drop the gradients: a step's first one lands in its view as a copy, not as an
         addition to zeros written for it (a pass over the buffers saved, as DDP's
-        set_to_none does); a parameter no gradient reaches reads zeros (see _fold)."""
+        set_to_none does); a parameter no gradient reaches reads zeros (see _fold). Without
+        peers there are no hooks to copy it in as it comes: the buffers are zeroed instead, so
+        no gradient is held twice until the step ends."""
         for bucket in self.buckets:
+            if not self.active:
+                bucket.flat.zero_()
+                continue
             for p in bucket.params:
                 p.grad = None
 
