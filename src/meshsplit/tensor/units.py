@@ -116,9 +116,12 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     the user's random stream is left as it was)."""
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
     tensors = [*module.parameters(), *module.buffers()]
-    if names - {"weight", "bias"} or any(t.is_meta for t in tensors) or module._forward_hooks:
+    hooked = module._forward_hooks or module._forward_pre_hooks
+    weight = getattr(module, "weight", None)
+    if names - {"weight", "bias"} or any(t.is_meta for t in tensors) or hooked:
         return False
-    weight = next(module.parameters())
+    if not isinstance(weight, torch.Tensor):
+        return False
     device, dtype = weight.device, weight.dtype
     probe = torch.Generator(device=device).manual_seed(0)
     if isinstance(module, nn.Embedding):
