@@ -123,14 +123,16 @@ def test_under_data_parallel_alone_the_step_adds_no_collective_to_the_buckets() 
 
 
 def _sometimes_unused() -> list[list[float]]:
-    """Two weights in one bucket; the second gets no gradient in the second step."""
+    """Two weights in one bucket; the second gets no gradient in the second and the fourth
+    step, and in the fourth the first comes twice, as often as the bucket's two did."""
     used, unused = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
     sync = GradientSync([used, unused], dist.group.WORLD, bucket_mb=1.0)
     seen = []
-    for both in (True, False, True):
+    for both, passes in ((True, 1), (False, 1), (True, 1), (False, 2)):
         sync.begin_step(1)
-        loss = (used * 2).sum() + ((unused * 3).sum() if both else 0)
-        loss.backward()
+        for _ in range(passes):
+            loss = (used * 2).sum() + ((unused * 3).sum() if both else 0)
+            loss.backward()
         sync.finish()
         seen.append([*used.grad.tolist(), *unused.grad.tolist()])
         sync.zero_grad()
@@ -140,4 +142,9 @@ def _sometimes_unused() -> list[list[float]]:
 
 def test_a_weight_no_gradient_reaches_reads_zeros_not_the_last_steps() -> None:
     for seen in ms.launch(_sometimes_unused, 2, timeout_s=60):
-        assert seen == [[4.0] * 3 + [6.0] * 2, [4.0] * 3 + [0.0] * 2, [4.0] * 3 + [6.0] * 2]
+        assert seen == [
+            [4.0] * 3 + [6.0] * 2,
+            [4.0] * 3 + [0.0] * 2,
+            [4.0] * 3 + [6.0] * 2,
+            [8.0] * 3 + [0.0] * 2,
+        ]

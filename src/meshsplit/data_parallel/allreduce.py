@@ -112,14 +112,12 @@ class GradientSync:
                 f"({bucket.expected} accumulations complete its bucket); keep which layers "
                 "run, and how often, the same from step to step"
             )
-        grad = param.grad
-        if grad is not None and grad is not view:  # .grad was reset: fold it back
-            view.copy_(grad)
-            param.grad = view
+        _into_view(param, view)  # later accumulations of this step add to the view
         bucket.arrivals += 1
         if bucket.expected is None:  # the first step: counted, reduced in finish
             bucket.counts[index] += 1
         elif bucket.arrivals == bucket.expected:
+            _fold(bucket)  # a weight that got nothing (another came more often) reads zeros
             self._load_riders(bucket)
             bucket.work = dist.all_reduce(self._on_wire(bucket), group=self.group, async_op=True)
 
@@ -169,8 +167,6 @@ class GradientSync:
                     else bucket.grads.tensor_split(self._replicas)[self._replica]
                 )
                 self._sums.append(share.sum(dtype=torch.float32))
-            for p, view in zip(bucket.params, bucket.views, strict=True):
-                p.grad = view
 
     def zero_grad(self) -> None:
         """Drop the gradients: a step's first one lands in its view as a copy, not as an
@@ -246,14 +242,19 @@ class LocalGradients:
 
 
 def _fold(bucket: _Bucket) -> None:
-    """Every gradient of a bucket reduced after backward into its view: copied in where a
-    hook did not already, zero where no gradient came this step."""
+    """Every gradient of a bucket in its view, before the bucket is reduced."""
     for p, view in zip(bucket.params, bucket.views, strict=True):
-        if p.grad is None:
-            view.zero_()
-        elif p.grad is not view:
-            view.copy_(p.grad)
-        p.grad = view
+        _into_view(p, view)
+
+
+def _into_view(param: torch.Tensor, view: torch.Tensor) -> None:
+    """`param`'s gradient as its bucket view: copied in unless it is there already, zeros
+    where no gradient came this step."""
+    if param.grad is None:
+        view.zero_()
+    elif param.grad is not view:
+        view.copy_(param.grad)
+    param.grad = view
 
 
 def _bucket_args(index: int, bucket: _Bucket) -> dict[str, Any]:
