@@ -211,13 +211,21 @@ class _AsyncAllGather(_PlainBuffers, AllGather):
         pieces = output_tensor.chunk(size)
         if pieces[me].data_ptr() != input_tensor.data_ptr():  # FSDP2 gathers in place
             pieces[me].copy_(input_tensor)
-        ops = []
-        for other in range(size):
-            if other != me:
-                peer = dist.get_global_rank(group, other)
-                ops.append(dist.P2POp(dist.isend, input_tensor, peer, group))
-                ops.append(dist.P2POp(dist.irecv, pieces[other], peer, group))
-        return _AllOf(dist.batch_isend_irecv(ops)) if ops else None
+        others = [r for r in range(size) if r != me]
+        works = _swap(group, {r: input_tensor for r in others}, {r: pieces[r] for r in others})
+        return _AllOf(works) if works else None
+
+
+def _swap(
+    group: dist.ProcessGroup, sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]
+) -> list[dist.Work]:
+    """Start sending sends[r] to, and receiving receives[r] from, each rank r of `group`."""
+    ops = []
+    for other in sends:
+        peer = dist.get_global_rank(group, other)
+        ops.append(dist.P2POp(dist.isend, sends[other], peer, group))
+        ops.append(dist.P2POp(dist.irecv, receives[other], peer, group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class _AllOf(dist.Work):
@@ -264,20 +272,12 @@ class _ExchangeReduceScatter(_PlainBuffers, ReduceScatter):
         if size == 1:
             output_tensor.copy_(slices[me])
             return None
-        ops: list[dist.P2POp] = []
-        addends = [slices[me]]  # the input stays alive (its slices) until settled
-        for other in range(size):
-            if other == me:
-                continue
-            peer = dist.get_global_rank(group, other)
-            # the first peer's slice arrives in the output itself: no buffer at dp=2
-            arrived = torch.empty_like(output_tensor) if ops else output_tensor
-            ops.append(dist.P2POp(dist.isend, slices[other], peer, group))
-            ops.append(dist.P2POp(dist.irecv, arrived, peer, group))
-            if arrived is not output_tensor:
-                addends.append(arrived)
-        works = dist.batch_isend_irecv(ops)
-        self._pending = (works, output_tensor, addends)
+        first, *rest = [r for r in range(size) if r != me]
+        # the first peer's slice arrives in the output itself: no buffer at dp=2
+        arriving = {first: output_tensor} | {r: torch.empty_like(output_tensor) for r in rest}
+        works = _swap(group, {r: slices[r] for r in arriving}, arriving)
+        # the input stays alive (its slice) until settled
+        self._pending = (works, output_tensor, [slices[me], *(arriving[r] for r in rest)])
         if not self.overlapping:
             self.settle()
         return None
