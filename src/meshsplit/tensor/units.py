@@ -150,10 +150,9 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
 
 
 def kind_of(module: nn.Module) -> str | None:
+    """What parallel form a layer takes (None: none), its own forward aside (own_forward)."""
     if is_attention(module):
         return "attention"
-    if own_forward(module):
-        return None
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return "linear"
     if isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros":
@@ -232,7 +231,8 @@ def walk(model: nn.Module) -> tuple[list[Unit], list[Decision]]:
             name = prefix + child_name
             if isinstance(child, ParallelLayer | HeadParallelAttention):
                 raise PlanError(f"'{name}' is already split over tp; split a model only once")
-            kind = kind_of(child)
+            subclass = own_forward(child)  # probed once: a subclass may run a probe input
+            kind = None if subclass is not None else kind_of(child)
             if kind is not None and any(id(p) in shared for p in child.parameters()):
                 sharing.append(Unit(name=name, module=child, kind=kind))
                 kind = None
@@ -247,7 +247,6 @@ def walk(model: nn.Module) -> tuple[list[Unit], list[Decision]]:
             after_conv = previous is not None and previous.kind == "conv"
             if not isinstance(child, CHANNELWISE if after_conv else ELEMENTWISE):
                 previous = None
-            subclass = own_forward(child)
             if subclass is not None:
                 others.append(replicated(name, child, f"own forward: {subclass} kept whole"))
                 continue
