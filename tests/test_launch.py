@@ -82,6 +82,31 @@ def test_stuck_peer_times_out_instead_of_hanging() -> None:
     assert caught.value.rank == 1
 
 
+UNGUARDED = """
+import meshsplit as ms
+
+def job():
+    return 1
+
+ms.launch(job, 2, timeout_s=30)  # no `if __name__ == "__main__":`
+"""
+
+
+def test_a_script_that_launches_at_import_is_told_to_guard_the_call(tmp_path) -> None:
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert time.monotonic() - started < 60
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshsplit.job.launch.WorkerError: worker rank"), last
+    assert "while its process started" in last
+    assert 'if __name__ == "__main__":' in last
+
+
 def test_launch_rejects_bad_process_count() -> None:
     with pytest.raises(ValueError, match="nprocs"):
         ms.launch(_threads, 0)

@@ -33,6 +33,7 @@ from meshsplit.job.stop import STOP_SIGNALS
 from meshsplit.job.worker import (
     LauncherOutput,
     forked_worker,
+    started_marker,
     started_worker,
     threads_per_worker,
 )
@@ -219,6 +220,16 @@ def _failure(process: Any, rank: int, workdir: Path, seen_at: float) -> tuple[fl
     if code is not None and code < 0:
         name = signal.Signals(-code).name
         return seen_at, WorkerError(rank, "Killed", f"killed by signal {name}", "")
+    if not started_marker(workdir, rank).exists():
+        return seen_at, WorkerError(
+            rank,
+            "Exit",
+            f"exited with code {code} while its process started, before it ran any of the "
+            "job (the error it printed is above). A worker starts by importing the script "
+            "that called ms.launch; most often that script calls ms.launch (or builds the "
+            'job) at import time: put the call under `if __name__ == "__main__":`',
+            "",
+        )
     return seen_at, WorkerError(
         rank,
         "Exit",

@@ -44,10 +44,17 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def started_marker(workdir: Path, rank: int) -> Path:
+    """The file a worker leaves once its process is up and running meshsplit's code: a worker
+    that dies without it never got that far (its main module failed to import)."""
+    return workdir / f"rank{rank}.started"
+
+
 def forked_worker(*args: Any) -> None:
     """A forked worker runs on a fresh thread: GNU OpenMP keeps the parent's thread team with
     the thread that forked, and that thread's next parallel region waits forever for threads
     fork did not copy; a new thread builds its own team."""
+    started_marker(args[5], args[0]).touch()
     thread = threading.Thread(target=_local_worker, args=args, name="meshsplit-worker")
     thread.start()
     thread.join()
@@ -82,6 +89,7 @@ def started_worker(
 ) -> None:
     """A spawned or forkserver worker: the launcher's environment and output as they were at
     the launch (a forkserver's children would otherwise have the server's), then the job."""
+    started_marker(workdir, rank).touch()
     os.environ.clear()
     os.environ.update(environment)
     try:
