@@ -159,12 +159,48 @@ class InPlaceSum(nn.Module):
         return out
 
 
+def test_a_plan_that_keeps_every_layer_whole_says_why_each_is() -> None:
+    with pytest.raises(ms.PlanError, match="Sequential: 0: own forward: Shifted kept whole;"):
+        plan_splits(nn.Sequential(Shifted(16, 32), nn.ReLU()), TP)
+
+
 def test_a_subclass_that_only_spells_out_the_base_is_split() -> None:
     model = nn.Sequential(InPlaceSum(), Shifted(16, 32), nn.ReLU(), nn.Linear(32, 4))
     d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(4, 16))}
     assert (d["0.up"].split, d["0.down"].split) == ("column", "row"), d["0.down"].reason
     assert d["1"].split == "replicate"
     assert d["1"].reason == "own forward: Shifted kept whole"
+
+
+def _spelled_out_on_meta() -> dict[str, Any]:
+    """tp=2 of a model built on the meta device whose layers spell out Linear's forward."""
+    with torch.device("meta"):
+        model = nn.Sequential(SpelledOut(16, 64), nn.ReLU(), SpelledOut(64, 8))
+    x, y = torch.randn(4, 16, generator=torch.Generator().manual_seed(0)), torch.zeros(4, 8)
+    engine = ms.parallelize(
+        model,
+        ms.Plan(tp=TP),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=F.mse_loss,
+        example_inputs=x,
+    )
+    start = engine.full_state_dict()
+    held = sum(p.numel() for p in engine.module.parameters())
+    return {"start": start, "loss": engine.train_step(x, y), "x": x, "held": held}
+
+
+def test_a_meta_subclass_that_only_spells_out_the_base_is_split() -> None:
+    with torch.device("meta"):
+        plain, shifted = SpelledOut(16, 64), Shifted(16, 32)
+    assert (tensor.units.own_forward(plain), tensor.units.own_forward(shifted)) == (None, "Shifted")
+    first, second = ms.launch(_spelled_out_on_meta, TP, timeout_s=300)
+    whole = 16 * 64 + 64 + 64 * 8 + 8
+    assert first["held"] == second["held"] == whole // TP  # every weight and bias halved
+    model = nn.Sequential(SpelledOut(16, 64), nn.ReLU(), SpelledOut(64, 8))
+    model.load_state_dict(first["start"])
+    assert sum(p.numel() for p in model.parameters()) == whole
+    expected = F.mse_loss(model(first["x"]), torch.zeros(4, 8)).item()
+    assert first["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_user_plan_overrides_the_models_plan() -> None:

@@ -273,10 +273,10 @@ def plan_splits(
         for unit in units
     ]
     if tp > 1 and all(d.split == "replicate" for d in decisions):
+        why = "; ".join(f"{d.name}: {d.reason}" for d in decisions + others)
         raise PlanError(
             f"Plan.tp={tp} splits no layer of {type(model).__name__}: "
-            f"{'; '.join(f'{d.name}: {d.reason}' for d in decisions) or 'no Linear/Conv2d'}; "
-            "use tp=1"
+            f"{why or 'no Linear/Conv2d'}; use tp=1"
         )
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return sorted(decisions + others, key=lambda d: order.get(d.name, len(order)))

@@ -12,6 +12,8 @@ split once along the vocabulary; any other sharing is kept whole.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,10 @@ ELEMENTWISE = (
     nn.Identity,
 )
 CHANNELWISE = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.Dropout2d)
+LENDS_VALUES = "meshsplit_lends_values"
+"""Marks a hook that only lends a module built rank by rank its values while it runs (the
+parallel layer that replaces it gets its values another way): not a behaviour of its own."""
+
 BASES = (nn.Linear, nn.Embedding, nn.Conv2d)
 """Classes whose own forward a parallel layer reproduces; a subclass must not override it."""
 
@@ -115,13 +121,15 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     on a random probe, in training and eval mode (random draws from a generator of its own:
     the user's random stream is left as it was)."""
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
-    tensors = [*module.parameters(), *module.buffers()]
-    hooked = module._forward_hooks or module._forward_pre_hooks
-    weight = getattr(module, "weight", None)
-    if names - {"weight", "bias"} or any(t.is_meta for t in tensors) or hooked:
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    hooked = any(not getattr(hook, LENDS_VALUES, False) for hook in hooks)
+    if names - {"weight", "bias"} or hooked:
         return False
-    if not isinstance(weight, torch.Tensor):
+    if not isinstance(getattr(module, "weight", None), torch.Tensor):
         return False
+    if any(t.is_meta for t in module.parameters()):
+        module = _stand_in(module)
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
     device, dtype = weight.device, weight.dtype
     probe = torch.Generator(device=device).manual_seed(0)
     if isinstance(module, nn.Embedding):
@@ -147,6 +155,34 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     finally:
         module.train(was_training)
     return True
+
+
+_OUTPUTS = {nn.Linear: "out_features", nn.Embedding: "num_embeddings", nn.Conv2d: "out_channels"}
+"""Each base's attribute for the first dimension of its weight."""
+
+
+def _stand_in(module: nn.Module) -> nn.Module:
+    """A copy of a meta `module` with random weights on the CPU, cut to a few outputs (a
+    layer on the meta device has no values to probe; its full size may not fit anywhere)."""
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    rows = int(weight.shape[0])
+    padding = getattr(module, "padding_idx", None)  # an Embedding's must stay a valid row
+    outputs = min(rows, max(8, 0 if padding is None else padding % rows + 1))
+    probe = torch.Generator().manual_seed(0)
+    stand_in = copy.copy(module)
+    stand_in._parameters = {
+        name: nn.Parameter(
+            torch.randn((outputs, *p.shape[1:]), generator=probe, dtype=p.dtype, device="cpu"),
+            requires_grad=p.requires_grad,
+        )
+        for name, p in module._parameters.items()
+        if p is not None
+    }
+    stand_in._buffers = {}
+    stand_in._forward_hooks, stand_in._forward_pre_hooks = OrderedDict(), OrderedDict()
+    base = next(b for b in _OUTPUTS if isinstance(module, b))
+    setattr(stand_in, _OUTPUTS[base], outputs)
+    return stand_in
 
 
 def kind_of(module: nn.Module) -> str | None:
