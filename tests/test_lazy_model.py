@@ -12,9 +12,10 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 import meshsplit as ms
-from meshsplit.memory import pools
+from meshsplit.memory import lazy_model, pools
 from meshsplit.memory.report import peak_bytes, reset_peak, resident_bytes, tensor_bytes
 
 from hf_models import FACTORIES
@@ -103,6 +104,20 @@ def _meta_model() -> dict[str, Any]:
     losses = [engine.train_step(x, y) for _ in range(2)]
     state = engine.full_state_dict()
     return {"losses": losses, "state": state, "meta": [k for k, v in state.items() if v.is_meta]}
+
+
+def test_a_meta_module_has_the_same_values_each_time_it_is_realized() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = lazy_model.build(model)
+    stream = torch.get_rng_state()
+    drawn = []
+    for layer in (0, 0, 1):
+        with lazy_model.realize(model[layer]):
+            drawn.append(model[layer].weight.clone())
+    assert torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], drawn[2])
+    assert model[0].weight.is_meta
+    assert torch.equal(torch.get_rng_state(), stream)  # the caller's stream left as it was
 
 
 def test_a_meta_model_is_built_by_reset_parameters_alike_on_every_rank() -> None:

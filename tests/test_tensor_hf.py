@@ -186,7 +186,9 @@ def _spelled_out_on_meta() -> dict[str, Any]:
     )
     start = engine.full_state_dict()
     held = sum(p.numel() for p in engine.module.parameters())
-    return {"start": start, "loss": engine.train_step(x, y), "x": x, "held": held}
+    splits = [(d["split"], d["reason"]) for d in engine.describe()["operator_split"]]
+    loss = engine.train_step(x, y)
+    return {"start": start, "loss": loss, "x": x, "held": held, "splits": splits}
 
 
 def test_a_meta_subclass_that_only_spells_out_the_base_is_split() -> None:
@@ -195,7 +197,11 @@ def test_a_meta_subclass_that_only_spells_out_the_base_is_split() -> None:
     assert (tensor.units.own_forward(plain), tensor.units.own_forward(shifted)) == (None, "Shifted")
     first, second = ms.launch(_spelled_out_on_meta, TP, timeout_s=300)
     whole = 16 * 64 + 64 + 64 * 8 + 8
-    assert first["held"] == second["held"] == whole // TP  # every weight and bias halved
+    assert first["splits"] == [
+        ("column", "data flow: pairs with '2'"),
+        ("row", "data flow: pairs with '0': one all-reduce"),
+    ]
+    assert first["held"] == second["held"] == (whole - 8) // TP + 8  # the row's bias whole
     model = nn.Sequential(SpelledOut(16, 64), nn.ReLU(), SpelledOut(64, 8))
     model.load_state_dict(first["start"])
     assert sum(p.numel() for p in model.parameters()) == whole

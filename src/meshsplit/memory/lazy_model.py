@@ -3,12 +3,13 @@
 Every rank gets the model on the meta device; a module is given real values only while the
 split looks at it (at most the modules on the call stack are real), then the rank materialises
 only what it keeps. The values are those of `factory()` run in one process or, with no factory
-recorded, what each module's `reset_parameters()` draws from one seed.
+recorded, what each module's `reset_parameters()` draws from a seed of its own.
 Rationale: docs/internals.md#memorylazy_modelpy
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -33,10 +34,20 @@ def is_lazy(source: ModelSource) -> bool:
 
 
 def build(source: ModelSource) -> nn.Module:
-    """The model with its tensors on the meta device (a factory is recorded)."""
+    """The model with its tensors on the meta device (a factory is recorded; a meta model's
+    modules each get a seed of their own)."""
     if isinstance(source, nn.Module):
+        base = int(torch.randint(0, 2**31, (1,), device="cpu").item())  # the shared stream
+        for index, module in enumerate(source.modules()):
+            _SEEDS[module] = base + index
         return source
     return deferred.record(source)
+
+
+_SEEDS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+"""A meta model's modules: the seed each one's reset_parameters draws from, every time it
+runs, so a module realized twice (the split's data-flow trace runs the model several times),
+or first on one rank and later on another, has the same values each time."""
 
 
 @contextmanager
@@ -106,12 +117,24 @@ def _install(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _reset(module: nn.Module, device: torch.device | str = "cpu") -> None:
-    """Real storage for an unrecorded meta module's own tensors, drawn by reset_parameters."""
+    """Real storage for an unrecorded meta module's own tensors, drawn by reset_parameters
+    from the module's own seed (the caller's random streams are left as they were)."""
     module.to_empty(device=device, recurse=False)
     reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
+    if not callable(reset):
+        return
+    seed = _SEEDS.get(module)
+    if seed is None:
         with torch.no_grad():
             reset()
+        return
+    where = torch.device(device)
+    cuda = [where.index or 0] if where.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.default_generators[cuda[0]].manual_seed(seed)
+        reset()
 
 
 @contextmanager
