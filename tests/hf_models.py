@@ -135,6 +135,8 @@ MORE: dict[str, Callable[[], nn.Module]] = {
         "FalconForCausalLM", "FalconConfig", **_LM, hidden_dropout=0.0, attention_dropout=0.0
     ),
     "gemma": _causal("GemmaForCausalLM", "GemmaConfig", **_GQA, head_dim=8),
+    # Gemma 3: per-head q_norm/k_norm between q_proj and o_proj, on each rank's heads only
+    "gemma3": _causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_GQA, head_dim=8),
     "roberta": _causal(
         "RobertaForSequenceClassification",
         "RobertaConfig",

@@ -4,7 +4,7 @@ GPT-2 (HF Conv1D, fused qkv, tied embeddings), LLaMA (grouped-query attention, r
 cos/sin crossing the cuts), BERT (attention masks, pooler) and ResNet (BatchNorm, stages)
 are trained 3 SGD steps under each plan and compared with plain PyTorch on the global
 batch, and each rank must hold only its share of the weights. Every model of the suite
-(the 17 architectures of hf_models.py) also runs zero bubble and interleaved 1F1B under
+(the 20 architectures of hf_models.py) also runs zero bubble and interleaved 1F1B under
 pp2, and GPT-2, LLaMA and BERT with dp2 x pp2 (zero bubble) and pp2 x tp2 (interleaved). Cases
 share one launch per process count: starting workers that import transformers dominates.
 """

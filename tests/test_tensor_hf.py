@@ -209,6 +209,27 @@ def test_a_meta_subclass_that_only_spells_out_the_base_is_split() -> None:
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
 
 
+class HeadNormAttention(nn.Module):
+    """Qwen3's attention in small: each head's query normalised by a norm kept whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.q(x).unflatten(-1, (-1, 4))
+        return self.o(self.q_norm(heads).flatten(-2))
+
+
+def test_a_pair_with_a_whole_layer_reading_its_split_values_stays_whole() -> None:
+    model = nn.Sequential(nn.LayerNorm(16), HeadNormAttention(), nn.Linear(16, 64), nn.ReLU())
+    d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(2, 3, 16))}
+    assert (d["1.q"].split, d["1.o"].split) == ("replicate", "replicate")
+    assert "1.q_norm (kept whole) read their split values" in d["1.o"].reason
+    assert d["2"].split == "column"  # a layer after the pair splits as before
+    assert d["0"].split == "replicate" and "kept whole with" not in d["0"].reason
+
+
 def test_a_user_plan_overrides_the_models_plan() -> None:
     down = "m.model.layers.0.mlp.down_proj"
     d = _decisions("llama", TP, tp_plan={down: "replicate"})

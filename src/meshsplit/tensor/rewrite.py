@@ -23,6 +23,7 @@ from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
+from meshsplit.tensor.inside import readers_inside
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -154,6 +155,27 @@ def _data_flow(
                 by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
 
 
+def _whole_around_readers(
+    model: nn.Module, example: Any, units: list[Unit], others: list[Decision]
+) -> None:
+    """Keep whole the pairs a layer kept whole reads inside of (inside.py says why)."""
+    pairs = {u.name: [c.name for c in u.feeders] for u in units if u.split == "row" and u.feeders}
+    if not pairs:
+        return
+    names = [d.name for d in others] + [u.name for u in units if u.split == "replicate"]
+    holders = {name: model.get_submodule(name) for name in names}
+    by_name = {unit.name: unit for unit in units}
+    for row_name, readers in readers_inside(model, example, pairs, holders).items():
+        row = by_name[row_name]
+        why = (
+            f"kept whole with its partners: {', '.join(readers)} (kept whole) read "
+            "their split values, and each rank would get only part of their weights' gradient"
+        )
+        for unit in [*row.feeders, row]:
+            _set(unit, "replicate", why)
+            unit.after, unit.feeders, unit.per_rank, unit.wiring, unit.parts = None, [], (), {}, 1
+
+
 def _choose(units: list[Unit], tp: int, total: int) -> None:
     """Fill in the splits no plan set: attention, Sequential pairs, ties, then lone layers."""
     for unit in units:
@@ -248,6 +270,7 @@ def plan_splits(
         _model_plan(model, by_name, tp)
         if example is not None:
             _data_flow(model, example, units, tp, realize)
+            _whole_around_readers(model, example, units, others)
     _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
