@@ -10,7 +10,7 @@ summed over tp, the pair around such a layer is kept whole (rewrite.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -56,7 +56,7 @@ def _first_inputs(
     model: nn.Module,
     example: Any,
     watched: Mapping[str, nn.Module],
-    perturbed: list[nn.Module] = (),  # type: ignore[assignment]
+    perturbed: Sequence[nn.Module] = (),
 ) -> tuple[dict[str, int], dict[str, list[torch.Tensor]]]:
     """Each watched module's place in the call order and a copy of its first call's tensor
     inputs, in eval mode without autograd; `perturbed` modules' outputs get noise added."""
@@ -90,7 +90,7 @@ def _first_inputs(
 def _hooked(
     watched: Mapping[str, nn.Module],
     recorder: Callable[[str], Callable[..., None]],
-    perturbed: list[nn.Module],
+    perturbed: Sequence[nn.Module],
     perturb: Callable[..., Any],
 ) -> Iterator[None]:
     with ExitStack() as stack:
