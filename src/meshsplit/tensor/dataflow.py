@@ -75,7 +75,8 @@ class _Stop(Exception):
 
 
 @contextmanager
-def _hooks(register: list[Callable[[], Any]]) -> Iterator[None]:
+def hooked(register: list[Callable[[], Any]]) -> Iterator[None]:
+    """The hooks `register` makes, in place while the body runs."""
     handles = [make() for make in register]
     try:
         yield
@@ -88,13 +89,32 @@ def _outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
     return tensors(call_model(model, example))
 
 
-def _same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+def same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
     return len(first) == len(second) and all(map(torch.equal, first, second))
 
 
 def _copy(value: Any) -> Any:
     """A tensor's detached copy (other values as they are)."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def noise_added(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: the output with noise of its own size added (the same every time)."""
+    noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(0))
+    return output + noise.to(output) * (output.abs().mean() + 1)
+
+
+@contextmanager
+def quietly(model: nn.Module) -> Iterator[None]:
+    """Forwards to look at, not to train: eval mode (no dropout) and no autograd, the
+    model's mode as it was after."""
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(training)
 
 
 class _Trace:
@@ -105,7 +125,7 @@ class _Trace:
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs: dict[str, torch.Tensor] = {}
         self.calls: Counter[str] = Counter()
-        with _hooks([self._recorder(name, m) for name, m in layers.items()]):
+        with hooked([self._recorder(name, m) for name, m in layers.items()]):
             self.result = _outputs(model, example)
         self.order = list(self.inputs)
 
@@ -121,18 +141,14 @@ class _Trace:
     def inputs_after_perturbing(self, name: str) -> dict[str, torch.Tensor]:
         seen: dict[str, torch.Tensor] = {}
 
-        def perturb(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(0))
-            return output + noise.to(output) * (output.abs().mean() + 1)
-
         def record(other: str) -> Callable[[], Any]:
             def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
                 seen.setdefault(other, args[0])
 
             return lambda: self.layers[other].register_forward_pre_hook(hook)
 
-        register = [lambda: self.layers[name].register_forward_hook(perturb)]
-        with _hooks(register + [record(other) for other in self.layers]):
+        register = [lambda: self.layers[name].register_forward_hook(noise_added)]
+        with hooked(register + [record(other) for other in self.layers]):
             _outputs(self.model, self.example)
         return seen
 
@@ -145,13 +161,13 @@ class _Trace:
         def restore(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             return (self.inputs[through], *args[1:])
 
-        with _hooks(
+        with hooked(
             [
                 lambda: self.layers[name].register_forward_hook(perturb),
                 lambda: self.layers[through].register_forward_pre_hook(restore),
             ]
         ):
-            return _same(_outputs(self.model, self.example), self.result)
+            return same(_outputs(self.model, self.example), self.result)
 
 
 def candidates(trace: _Trace) -> dict[str, list[str]]:
@@ -254,7 +270,7 @@ def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[N
         row.forward = lambda *_, whole=trace.outputs[pair.row], **__: _copy(whole)
     per_rank = tuple(path for pair in pairs for path in pair.per_rank)
     try:
-        with _hooks(register), divided(trace.model, per_rank, tp):
+        with hooked(register), divided(trace.model, per_rank, tp):
             yield
     finally:
         for row in rows:
@@ -275,7 +291,7 @@ def _simulate_rank(
     register.append(lambda: trace.layers[pair.row].register_forward_pre_hook(stop))
     with (
         _as_rank(trace, accepted, rank, tp),
-        _hooks(register),
+        hooked(register),
         divided(trace.model, pair.per_rank, tp),
         suppress(_Stop),
     ):
@@ -293,7 +309,7 @@ def _leaks(trace: _Trace, pairs: list[Pair], tp: int) -> str:
     """
     try:
         with _as_rank(trace, pairs, 0, tp):
-            changed = not _same(_outputs(trace.model, trace.example), trace.result)
+            changed = not same(_outputs(trace.model, trace.example), trace.result)
     except Exception as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     return "it changes values outside the pair" if changed else ""
@@ -350,25 +366,20 @@ def find_pairs(
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
     built in parts keeps them elsewhere)."""
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            trace = _Trace(model, example, layers)
-            pairs: list[Pair] = []
-            refused: list[Refusal] = []
-            taken: set[str] = set()
-            found = candidates(trace)
-            for row in sorted(found, key=trace.order.index):  # earliest first, no overlaps
-                columns = found[row]
-                if taken & {*columns, row}:
-                    continue
-                taken.update(columns, [row])
-                checked = _check(model, trace, row, columns, tp, pairs, realize)
-                if isinstance(checked, Pair):
-                    pairs.append(checked)
-                else:
-                    refused.append(checked)
-            return pairs, refused
-    finally:
-        model.train(training)
+    with quietly(model):
+        trace = _Trace(model, example, layers)
+        pairs: list[Pair] = []
+        refused: list[Refusal] = []
+        taken: set[str] = set()
+        found = candidates(trace)
+        for row in sorted(found, key=trace.order.index):  # earliest first, no overlaps
+            columns = found[row]
+            if taken & {*columns, row}:
+                continue
+            taken.update(columns, [row])
+            checked = _check(model, trace, row, columns, tp, pairs, realize)
+            if isinstance(checked, Pair):
+                pairs.append(checked)
+            else:
+                refused.append(checked)
+        return pairs, refused

@@ -10,8 +10,7 @@ summed over tp, the pair around such a layer is kept whole (rewrite.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import call_model
+from meshsplit.tensor.dataflow import hooked, noise_added, quietly, same
 
 __all__: list[str] = []
 
@@ -46,7 +46,7 @@ def readers_inside(
         _, seen = _first_inputs(
             model, example, {h: holders[h] for h in window}, [layers[c] for c in columns]
         )
-        moved = [h for h in window if not _same(seen.get(h), clean.get(h))]
+        moved = [h for h in window if h not in seen or not same(seen[h], clean[h])]
         if moved:
             found[row] = moved
     return found
@@ -63,46 +63,20 @@ def _first_inputs(
     order: dict[str, int] = {}
     inputs: dict[str, list[torch.Tensor]] = {}
 
-    def recorder(name: str) -> Callable[..., None]:
+    def recorder(name: str, module: nn.Module) -> Callable[[], Any]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if name not in order:
                 order[name] = len(order)
                 leaves = pytree.tree_leaves((args, kwargs))
                 inputs[name] = [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor)]
 
-        return hook
+        return lambda: module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    def perturb(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(0))
-        return output + noise.to(output) * (output.abs().mean() + 1)
+    def noisy(module: nn.Module) -> Callable[[], Any]:
+        return lambda: module.register_forward_hook(noise_added)
 
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), _hooked(watched, recorder, perturbed, perturb):
-            call_model(model, example)
-    finally:
-        model.train(training)
+    register = [recorder(name, module) for name, module in watched.items()]
+    register += [noisy(module) for module in perturbed]
+    with quietly(model), hooked(register):
+        call_model(model, example)
     return order, inputs
-
-
-@contextmanager
-def _hooked(
-    watched: Mapping[str, nn.Module],
-    recorder: Callable[[str], Callable[..., None]],
-    perturbed: Sequence[nn.Module],
-    perturb: Callable[..., Any],
-) -> Iterator[None]:
-    with ExitStack() as stack:
-        for name, module in watched.items():
-            handle = module.register_forward_pre_hook(recorder(name), with_kwargs=True)
-            stack.callback(handle.remove)
-        for module in perturbed:
-            stack.callback(module.register_forward_hook(perturb).remove)
-        yield
-
-
-def _same(first: list[torch.Tensor] | None, second: list[torch.Tensor] | None) -> bool:
-    if first is None or second is None:
-        return first is second
-    return len(first) == len(second) and all(map(torch.equal, first, second))

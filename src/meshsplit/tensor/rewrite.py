@@ -160,10 +160,10 @@ def _whole_around_readers(
 ) -> None:
     """Keep whole the pairs a layer kept whole reads inside of (inside.py says why)."""
     pairs = {u.name: [c.name for c in u.feeders] for u in units if u.split == "row" and u.feeders}
-    if not pairs:
-        return
     names = [d.name for d in others] + [u.name for u in units if u.split == "replicate"]
     holders = {name: model.get_submodule(name) for name in names}
+    if not pairs or not holders:  # nothing to look for: no forward
+        return
     by_name = {unit.name: unit for unit in units}
     for row_name, readers in readers_inside(model, example, pairs, holders).items():
         row = by_name[row_name]
