@@ -22,6 +22,10 @@ from meshsplit.memory.module_state import own_state
 
 __all__: list[str] = []
 
+LENDS_VALUES = "meshsplit_lends_values"
+"""Marks the hooks that lend a module its values while it runs (streaming): not a behaviour
+of the module's own (the parallel layer that replaces it gets its values another way)."""
+
 ModelSource = nn.Module | Callable[[], nn.Module]
 """What parallelize takes: a model, a model on the meta device, or a zero-argument factory."""
 
@@ -152,7 +156,7 @@ def streaming(model: nn.Module) -> Iterator[None]:
         open_[id(module)].pop().__exit__(None, None, None)
 
     for hook in (before, after):  # the tp split's probe of a layer's own forward skips these
-        setattr(hook, "meshsplit_lends_values", True)  # noqa: B010
+        setattr(hook, LENDS_VALUES, True)
     holders = [m for m in model.modules() if own_state(m)]
     hooks = [
         handle

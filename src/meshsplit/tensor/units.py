@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshsplit.memory.lazy_model import LENDS_VALUES
 from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import HeadParallelAttention
 from meshsplit.tensor.conv1d import is_conv1d
@@ -42,12 +43,13 @@ ELEMENTWISE = (
     nn.Identity,
 )
 CHANNELWISE = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.Dropout2d)
-LENDS_VALUES = "meshsplit_lends_values"
-"""Marks a hook that only lends a module built rank by rank its values while it runs (the
-parallel layer that replaces it gets its values another way): not a behaviour of its own."""
-
-BASES = (nn.Linear, nn.Embedding, nn.Conv2d)
-"""Classes whose own forward a parallel layer reproduces; a subclass must not override it."""
+BASES: dict[type[nn.Module], str] = {
+    nn.Linear: "out_features",
+    nn.Embedding: "num_embeddings",
+    nn.Conv2d: "out_channels",
+}
+"""Classes whose own forward a parallel layer reproduces (a subclass must not override it),
+each with the attribute that gives its weight's first dimension."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,10 +159,6 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     return True
 
 
-_OUTPUTS = {nn.Linear: "out_features", nn.Embedding: "num_embeddings", nn.Conv2d: "out_channels"}
-"""Each base's attribute for the first dimension of its weight."""
-
-
 def _stand_in(module: nn.Module) -> nn.Module:
     """A copy of a meta `module` with random weights on the CPU, cut to a few outputs (a
     layer on the meta device has no values to probe; its full size may not fit anywhere)."""
@@ -180,8 +178,8 @@ def _stand_in(module: nn.Module) -> nn.Module:
     }
     stand_in._buffers = {}
     stand_in._forward_hooks, stand_in._forward_pre_hooks = OrderedDict(), OrderedDict()
-    base = next(b for b in _OUTPUTS if isinstance(module, b))
-    setattr(stand_in, _OUTPUTS[base], outputs)
+    base = next(b for b in BASES if isinstance(module, b))
+    setattr(stand_in, BASES[base], outputs)
     return stand_in
 
 
