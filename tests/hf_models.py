@@ -137,6 +137,7 @@ MORE: dict[str, Callable[[], nn.Module]] = {
     "gemma": _causal("GemmaForCausalLM", "GemmaConfig", **_GQA, head_dim=8),
     # Gemma 3: per-head q_norm/k_norm between q_proj and o_proj, on each rank's heads only
     "gemma3": _causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_GQA, head_dim=8),
+    "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", **_GQA, head_dim=8),
     "roberta": _causal(
         "RobertaForSequenceClassification",
         "RobertaConfig",

@@ -221,13 +221,29 @@ class HeadNormAttention(nn.Module):
         return self.o(self.q_norm(heads).flatten(-2))
 
 
-def test_a_pair_with_a_whole_layer_reading_its_split_values_stays_whole() -> None:
+def test_a_whole_layer_reading_a_pairs_split_values_has_its_gradients_summed() -> None:
     model = nn.Sequential(nn.LayerNorm(16), HeadNormAttention(), nn.Linear(16, 64), nn.ReLU())
     d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(2, 3, 16))}
-    assert (d["1.q"].split, d["1.o"].split) == ("replicate", "replicate")
-    assert "1.q_norm (kept whole) read their split values" in d["1.o"].reason
-    assert d["2"].split == "column"  # a layer after the pair splits as before
-    assert d["0"].split == "replicate" and "kept whole with" not in d["0"].reason
+    assert (d["1.q"].split, d["1.o"].split) == ("column", "row")
+    assert d["1.q_norm"].summed == ("1.q_norm.weight", "1.q_norm.bias")
+    assert "inside the pair of '1.o' on split values" in d["1.q_norm"].reason
+    assert d["0"].split == "replicate" and not d["0"].summed  # before the pair: whole values
+
+
+class HeadNormTwice(HeadNormAttention):
+    """The per-head norm also run on the whole input: a use outside the pair."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outside = self.q_norm(x.unflatten(-1, (-1, 4))).flatten(-2)
+        return super().forward(x) + outside
+
+
+def test_a_pair_around_a_whole_layer_that_also_runs_elsewhere_stays_whole() -> None:
+    model = nn.Sequential(HeadNormTwice(), nn.Linear(16, 64), nn.ReLU())
+    d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(2, 3, 16))}
+    assert (d["0.q"].split, d["0.o"].split) == ("replicate", "replicate")
+    assert "0.q_norm (kept whole) read their split values and run again" in d["0.o"].reason
+    assert not d["0.q_norm"].summed
 
 
 def test_a_user_plan_overrides_the_models_plan() -> None:

@@ -52,6 +52,8 @@ class Applied:
     sync: Sync
     optimizer: torch.optim.Optimizer
     operator_split: list[tensor.Decision]
+    tp_sums: tensor.TpGradientSum | None
+    """The gradients of layers kept whole inside split pairs, summed over tp each step."""
     batchnorm: list[str]
     """The BatchNorm layers whose statistics span the dp group."""
     preallocated: pools.Preallocated
@@ -145,6 +147,11 @@ def apply_plan(
     )
     if isinstance(runner, PipelineRunner):
         runner.reread_state()  # sharding gave its items new tensors
+    tp_sums = (
+        tensor.TpGradientSum.of(operator_split, runner.parameter_names(), mesh.group("tp"))
+        if plan.tp > 1
+        else None
+    )
     # 6. Memory pools: the optimizer state made now (on the host under offload), not in step 1.
     offloaded = None
     if plan.offload == "optimizer":
@@ -168,6 +175,7 @@ def apply_plan(
         sync=state.sync,
         optimizer=state.optimizer,
         operator_split=operator_split,
+        tp_sums=tp_sums,
         batchnorm=batchnorm,
         preallocated=preallocated,
         offloaded=offloaded,

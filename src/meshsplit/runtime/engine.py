@@ -207,6 +207,8 @@ class Engine:
             with phase("gradient sync"):
                 parts.sync.finish()
                 parts.runner.finish_gradients()
+                if parts.tp_sums is not None:
+                    parts.tp_sums.all_reduce()
             agreed = agreement.finish(
                 parts.sync, parts.runner, loss, share=share, rows=global_rows, plan=self.plan,
                 step=self.steps + 1, where=self._guard.where, group=self.peers,

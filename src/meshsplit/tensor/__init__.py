@@ -9,6 +9,7 @@ Given `example=` (one model input), pairs are found through the model's data flo
 from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from meshsplit.tensor.gradient_sum import TpGradientSum
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -37,6 +38,7 @@ __all__ = [
     "RowParallelConv1D",
     "RowParallelConv2d",
     "RowParallelLinear",
+    "TpGradientSum",
     "VocabParallelEmbedding",
     "copy_to_tp",
     "gather_from_tp",

@@ -4,12 +4,15 @@ Between a pair's columns and its row every rank holds only its slice of the acti
 layer with weights of its own that reads them there (Qwen3's and Gemma 3's per-head q_norm and
 k_norm, between q_proj and o_proj) computes on that slice with whole weights: its output is
 right, but each rank's gradient of those weights is only its slice's share of the whole. Left
-alone, the ranks' copies drift apart and none equals one process. Until such gradients are
-summed over tp, the pair around such a layer is kept whole (rewrite.py).
+alone, the ranks' copies drift apart and none equals one process. Their sum over tp is the
+whole gradient (gradient_sum.py) when the layer runs once a forward, there; a layer that runs
+again elsewhere would have that use counted tp times, so the pair around it is kept whole
+(rewrite.py).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,47 +31,98 @@ def readers_inside(
     example: Any,
     pairs: Mapping[str, list[str]],
     holders: Mapping[str, nn.Module],
-) -> dict[str, list[str]]:
-    """Row layer -> the `holders` (layers kept whole, with weights of their own) that run
-    after its first column and before it, on values its columns made (one forward of
-    `example`, then one for each pair with a holder in that window, its columns' outputs
-    perturbed)."""
+) -> tuple[dict[str, list[str]], set[str]]:
+    """Row layer -> the `holders` (layers kept whole, with weights of their own) that run, in
+    any of their calls, after its first column and before it, on values its columns made
+    (one forward of `example`, then one for each pair with a holder in that window, its
+    columns' outputs perturbed); and the holders that run more than once a forward."""
     layers = {
         name: model.get_submodule(name) for row, cols in pairs.items() for name in (row, *cols)
     }
-    order, clean = _first_inputs(model, example, layers | dict(holders))
+    ticks, clean = _calls(model, example, layers | dict(holders), list(holders))
     found: dict[str, list[str]] = {}
     for row, columns in pairs.items():
-        start = min(order.get(c, len(order)) for c in columns)
-        window = [h for h in holders if start < order.get(h, -1) < order.get(row, -1)]
+        if row not in ticks or not any(c in ticks for c in columns):
+            continue
+        start, end = min(ticks[c][0] for c in columns if c in ticks), ticks[row][0]
+        window = [h for h in holders if any(start < t < end for t in ticks.get(h, ()))]
         if not window:
             continue
-        _, seen = _first_inputs(
-            model, example, {h: holders[h] for h in window}, [layers[c] for c in columns]
+        _, seen = _calls(
+            model, example, {h: holders[h] for h in window}, window, [layers[c] for c in columns]
         )
-        moved = [h for h in window if h not in seen or not same(seen[h], clean[h])]
+        moved = [h for h in window if not _same_calls(seen.get(h, []), clean[h])]
         if moved:
             found[row] = moved
-    return found
+    return found, {h for h in holders if len(ticks.get(h, ())) > 1}
 
 
-def _first_inputs(
+def summed_or_whole(
+    model: nn.Module,
+    example: Any,
+    pairs: Mapping[str, list[str]],
+    holders: Mapping[str, nn.Module],
+    decided: set[str],
+) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, list[str]]]:
+    """For the readers inside each pair (`readers_inside`): holder -> (the pair's row, its
+    parameters) to sum over tp; and row -> readers, for the pairs to keep whole since a
+    reader also runs elsewhere or shares its weights (its other use would count tp times).
+    `decided`: the layers with a decision of their own (their parameters are theirs)."""
+    found, again = readers_inside(model, example, pairs, holders)
+    summed: dict[str, tuple[str, tuple[str, ...]]] = {}
+    whole: dict[str, list[str]] = {}
+    for row, readers in found.items():
+        owned = {r: _owned(model, r, decided) for r in readers if r not in again}
+        if all(owned.get(r) for r in readers):
+            summed.update({r: (row, owned[r]) for r in readers})
+        else:
+            whole[row] = readers
+    return summed, whole
+
+
+def _owned(model: nn.Module, name: str, decided: set[str]) -> tuple[str, ...]:
+    """The parameters of layer `name` (not those of a layer inside it with a decision of its
+    own), by their names in `model`; () when any of them is also reachable elsewhere."""
+    paths: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        paths[id(p)] = paths.get(id(p), 0) + 1
+    inner = tuple(d + "." for d in decided if d.startswith(name + "."))
+    mine = [
+        (path, p)
+        for path, p in model.get_submodule(name).named_parameters(prefix=name)
+        if not path.startswith(inner)
+    ]
+    if any(paths[id(p)] > 1 for _, p in mine):
+        return ()
+    return tuple(path for path, _ in mine)
+
+
+def _same_calls(one: list[list[torch.Tensor]], other: list[list[torch.Tensor]]) -> bool:
+    return len(one) == len(other) and all(same(a, b) for a, b in zip(one, other, strict=True))
+
+
+def _calls(
     model: nn.Module,
     example: Any,
     watched: Mapping[str, nn.Module],
+    copied: Sequence[str],
     perturbed: Sequence[nn.Module] = (),
-) -> tuple[dict[str, int], dict[str, list[torch.Tensor]]]:
-    """Each watched module's place in the call order and a copy of its first call's tensor
-    inputs, in eval mode without autograd; `perturbed` modules' outputs get noise added."""
-    order: dict[str, int] = {}
-    inputs: dict[str, list[torch.Tensor]] = {}
+) -> tuple[dict[str, list[int]], dict[str, list[list[torch.Tensor]]]]:
+    """When each watched module was called (ticks of one clock over all their calls) and, for
+    the `copied` ones, a copy of each call's tensor inputs; in eval mode without autograd,
+    `perturbed` modules' outputs with noise added."""
+    ticks: dict[str, list[int]] = {}
+    inputs: dict[str, list[list[torch.Tensor]]] = {name: [] for name in copied}
+    clock = itertools.count()
 
     def recorder(name: str, module: nn.Module) -> Callable[[], Any]:
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if name not in order:
-                order[name] = len(order)
+            ticks.setdefault(name, []).append(next(clock))
+            if name in inputs:
                 leaves = pytree.tree_leaves((args, kwargs))
-                inputs[name] = [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor)]
+                inputs[name].append(
+                    [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor)]
+                )
 
         return lambda: module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -79,4 +133,4 @@ def _first_inputs(
     register += [noisy(module) for module in perturbed]
     with quietly(model), hooked(register):
         call_model(model, example)
-    return order, inputs
+    return ticks, inputs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
-from meshsplit.tensor.inside import readers_inside
+from meshsplit.tensor.inside import summed_or_whole
 from meshsplit.tensor.layers import (
     ColumnParallelConv2d,
     ColumnParallelLinear,
@@ -155,25 +156,29 @@ def _data_flow(
                 by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
 
 
-def _whole_around_readers(
+def _summed_inside_pairs(
     model: nn.Module, example: Any, units: list[Unit], others: list[Decision]
-) -> None:
-    """Keep whole the pairs a layer kept whole reads inside of (inside.py says why)."""
+) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Layer kept whole that reads a pair's split values -> (the pair's row, its parameters),
+    their gradients summed over tp; a pair whose reader cannot be summed is kept whole."""
     pairs = {u.name: [c.name for c in u.feeders] for u in units if u.split == "row" and u.feeders}
     names = [d.name for d in others] + [u.name for u in units if u.split == "replicate"]
     holders = {name: model.get_submodule(name) for name in names}
     if not pairs or not holders:  # nothing to look for: no forward
-        return
+        return {}
+    decided = {unit.name for unit in units} | {d.name for d in others}
+    summed, whole = summed_or_whole(model, example, pairs, holders, decided)
     by_name = {unit.name: unit for unit in units}
-    for row_name, readers in readers_inside(model, example, pairs, holders).items():
+    for row_name, readers in whole.items():
         row = by_name[row_name]
         why = (
-            f"kept whole with its partners: {', '.join(readers)} (kept whole) read "
-            "their split values, and each rank would get only part of their weights' gradient"
+            f"kept whole with its partners: {', '.join(readers)} (kept whole) read their "
+            "split values and run again elsewhere or share their weights"
         )
         for unit in [*row.feeders, row]:
             _set(unit, "replicate", why)
             unit.after, unit.feeders, unit.per_rank, unit.wiring, unit.parts = None, [], (), {}, 1
+    return summed
 
 
 def _choose(units: list[Unit], tp: int, total: int) -> None:
@@ -264,13 +269,14 @@ def plan_splits(
     """
     units, others = walk(model)
     by_name = {unit.name: unit for unit in units}
+    summed: dict[str, tuple[str, tuple[str, ...]]] = {}
     total = sum(p.numel() for p in model.parameters())
     _user_plan(by_name, tp_plan or {})
     if tp > 1:
         _model_plan(model, by_name, tp)
         if example is not None:
             _data_flow(model, example, units, tp, realize)
-            _whole_around_readers(model, example, units, others)
+            summed = _summed_inside_pairs(model, example, units, others)
     _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
@@ -301,8 +307,17 @@ def plan_splits(
             f"Plan.tp={tp} splits no layer of {type(model).__name__}: "
             f"{why or 'no Linear/Conv2d'}; use tp=1"
         )
+    decisions = [
+        _with_sum(d, summed[d.name]) if d.name in summed else d for d in decisions + others
+    ]
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-    return sorted(decisions + others, key=lambda d: order.get(d.name, len(order)))
+    return sorted(decisions, key=lambda d: order.get(d.name, len(order)))
+
+
+def _with_sum(decision: Decision, inside: tuple[str, tuple[str, ...]]) -> Decision:
+    row, parameters = inside
+    why = f"; runs inside the pair of '{row}' on split values: gradients summed over tp"
+    return replace(decision, reason=decision.reason + why, summed=parameters)
 
 
 def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGroup) -> nn.Module:

@@ -74,6 +74,9 @@ class Decision:
     """Row split only: 'module.attribute' ints (head counts, split sizes) divided by tp."""
     tied: str = ""
     """Vocab/column split only: the layer whose weight this one shares (one shared shard)."""
+    summed: tuple[str, ...] = ()
+    """Replicate only, for a layer that runs inside a split pair on each rank's slice of the
+    activations: its parameters (names in the model), whose gradients are summed over tp."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer": self.layer, "split": self.split, "reason": self.reason}
