@@ -138,6 +138,32 @@ MORE: dict[str, Callable[[], nn.Module]] = {
     # Gemma 3: per-head q_norm/k_norm between q_proj and o_proj, on each rank's heads only
     "gemma3": _causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_GQA, head_dim=8),
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", **_GQA, head_dim=8),
+    # Llama 4: complex rotary frequencies cross the stage boundaries
+    "llama4": _causal(
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        **_GQA,
+        head_dim=8,
+        num_local_experts=2,
+        intermediate_size_mlp=64,
+    ),  # fmt: skip
+    # DeepSeek V3: one rotary key, made outside q_b/kv_b -> o, read by every head (kept whole)
+    "deepseek_v3": _causal(
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        **_GQA,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+    ),  # fmt: skip
     "roberta": _causal(
         "RobertaForSequenceClassification",
         "RobertaConfig",

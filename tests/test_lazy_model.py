@@ -120,6 +120,20 @@ def test_a_meta_module_has_the_same_values_each_time_it_is_realized() -> None:
     assert torch.equal(torch.get_rng_state(), stream)  # the caller's stream left as it was
 
 
+def test_a_meta_module_lends_real_copies_to_a_forward_that_records_a_graph() -> None:
+    with torch.device("meta"):
+        layer = nn.Linear(4, 2)
+    layer = lazy_model.build(layer)
+    meta = layer.weight
+    with lazy_model.realize(layer, lend_copies=True):
+        lent = layer.weight
+        out = layer(torch.ones(3, 4))
+    assert not lent.is_meta and not out.is_meta  # were meta: the copies came from the old
+    assert layer.weight is meta  # the meta parameter is back; the graph keeps the copy
+    out.sum().backward()
+    assert lent.grad is not None and lent.grad.shape == (2, 4)
+
+
 def test_a_meta_model_is_built_by_reset_parameters_alike_on_every_rank() -> None:
     first, second = ms.launch(_meta_model, 2, timeout_s=300)
     assert first["meta"] == [] and first["losses"] == second["losses"]

@@ -10,6 +10,7 @@ import meshsplit as ms
 from meshsplit.pipeline import split_point
 from meshsplit.pipeline.cuts import refuse_stages_without_parameters
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
+from meshsplit.pipeline.p2p import TensorMeta, decode, encode
 from meshsplit.pipeline.profile import profile_layers
 from meshsplit.pipeline.stage import plan_routes
 
@@ -176,3 +177,10 @@ def test_stages_that_cannot_train_are_refused_before_any_step() -> None:
     with pytest.raises(ms.PlanError, match=r"stage 0 of Plan.stages=\[1, 3\] holds only layers"):
         refuse_stages_without_parameters(names, trainable, [1, 3])
     refuse_stages_without_parameters(names, trainable, [2, 2])
+
+
+def test_a_header_carries_complex_tensors_and_names_a_dtype_it_cannot() -> None:
+    metas = [TensorMeta((2, 4), torch.complex64, False), TensorMeta((3,), torch.float32, True)]
+    assert decode(encode(metas)) == metas  # Llama 4's rotary frequencies cross stages
+    with pytest.raises(TypeError, match=r"float8_e4m3fn crosses a pipeline stage boundary"):
+        encode([TensorMeta((2,), torch.float8_e4m3fn, False)])

@@ -246,6 +246,26 @@ def test_a_pair_around_a_whole_layer_that_also_runs_elsewhere_stays_whole() -> N
     assert not d["0.q_norm"].summed
 
 
+class SharedRotaryKey(nn.Module):
+    """DeepSeek's attention in small: a key part made outside q and o, read by every head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.q(x).unflatten(-1, (-1, 4)) + x[..., :4].unsqueeze(-2)
+        return self.o(heads.flatten(-2))
+
+
+def test_a_pair_read_by_a_value_made_outside_it_stays_whole() -> None:
+    model = nn.Sequential(nn.LayerNorm(16), SharedRotaryKey(), nn.Linear(16, 64), nn.ReLU())
+    d = {x.name: x for x in plan_splits(model, TP, example=torch.randn(2, 3, 16))}
+    assert (d["1.q"].split, d["1.o"].split) == ("replicate", "replicate")
+    assert "made before its columns ran, is read between them" in d["1.o"].reason
+    assert d["2"].split == "column"  # a layer after the pair splits as before
+
+
 def test_a_user_plan_overrides_the_models_plan() -> None:
     down = "m.model.layers.0.mlp.down_proj"
     d = _decisions("llama", TP, tp_plan={down: "replicate"})

@@ -72,8 +72,8 @@ def realize(module: nn.Module, *, lend_copies: bool = False) -> Iterator[None]:
         with _real_values(module):
             yield
         return
-    with _real_values(module):
-        real = {name: _detached(tensor) for name, tensor in pending.items()}
+    with _real_values(module):  # moving off meta gives the module new tensor objects
+        real = {name: _detached(tensor) for name, tensor in own_state(module) if name in pending}
     _install(module, real)
     try:
         yield

@@ -32,6 +32,8 @@ DTYPES = (
     torch.int8,
     torch.uint8,
     torch.bool,
+    torch.complex64,  # rotary frequencies (Llama 4's freqs_cis) cross stage boundaries
+    torch.complex128,
 )
 
 
@@ -73,6 +75,13 @@ def encode(metas: list[TensorMeta]) -> torch.Tensor:
     (int64; dtypes as indices into DTYPES)."""
     values: list[int] = []
     for meta in metas:
+        unknown = {meta.dtype, meta.carried} - set(DTYPES)
+        if unknown:
+            raise TypeError(
+                f"a tensor of {unknown.pop()} crosses a pipeline stage boundary, and stages "
+                f"exchange only {', '.join(str(d) for d in DTYPES)}; cast it in the model, or "
+                "cut elsewhere with Plan.split_points"
+            )
         dtypes = [DTYPES.index(meta.dtype), DTYPES.index(meta.carried)]
         values += [*dtypes, int(meta.requires_grad), len(meta.shape), *meta.shape]
     return torch.tensor(values, dtype=torch.int64)

@@ -22,6 +22,7 @@ from torch import nn
 
 from meshsplit.batch import call_model
 from meshsplit.tensor.dataflow import hooked, noise_added, quietly, same
+from meshsplit.tensor.entering import Entering, what_enters
 
 __all__: list[str] = []
 
@@ -63,20 +64,42 @@ def summed_or_whole(
     pairs: Mapping[str, list[str]],
     holders: Mapping[str, nn.Module],
     decided: set[str],
-) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, list[str]]]:
-    """For the readers inside each pair (`readers_inside`): holder -> (the pair's row, its
-    parameters) to sum over tp; and row -> readers, for the pairs to keep whole since a
-    reader also runs elsewhere or shares its weights (its other use would count tp times).
-    `decided`: the layers with a decision of their own (their parameters are theirs)."""
-    found, again = readers_inside(model, example, pairs, holders)
+) -> tuple[dict[str, tuple[str, tuple[str, ...]]], dict[str, str]]:
+    """Holder -> (the pair's row, its parameters) to sum over tp, for the readers inside each
+    pair (`readers_inside`); and row -> why, for the pairs to keep whole: a reader also runs
+    elsewhere or shares its weights (that use would count tp times), or something else with
+    a gradient enters between the columns and the row (entering.py), whose gradient no sum
+    over tp mends. `decided`: the layers with a decision of their own."""
+    found, again = readers_inside(model, example, pairs, holders) if holders else ({}, set())
+    # a model on the meta device lends each layer copies while it runs: a graph over the
+    # whole forward would hold all of them at once (see what_enters)
+    lazy = any(p.is_meta for p in model.parameters())
+    entering = {} if lazy else what_enters(model, example, pairs)
     summed: dict[str, tuple[str, tuple[str, ...]]] = {}
-    whole: dict[str, list[str]] = {}
-    for row, readers in found.items():
+    whole: dict[str, str] = {}
+    for row in pairs:
+        readers = found.get(row, [])
         owned = {r: _owned(model, r, decided) for r in readers if r not in again}
-        if all(owned.get(r) for r in readers):
-            summed.update({r: (row, owned[r]) for r in readers})
+        inside = entering.get(row, Entering())
+        covered = {name for names in owned.values() for name in names}
+        stray = sorted(inside.parameters - covered)
+        if not all(owned.get(r) for r in readers):
+            whole[row] = (
+                f"{', '.join(readers)} (kept whole) read their split values and run again "
+                "elsewhere or share their weights"
+            )
+        elif inside.values:
+            whole[row] = (
+                "a value with a gradient, made before its columns ran, is read between them "
+                "(each rank would get only its share of that gradient)"
+            )
+        elif stray:
+            whole[row] = (
+                f"{', '.join(stray[:3])} read between them (each rank would get only its "
+                "share of that gradient)"
+            )
         else:
-            whole[row] = readers
+            summed.update({r: (row, owned[r]) for r in readers})
     return summed, whole
 
 

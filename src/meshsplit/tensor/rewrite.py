@@ -160,23 +160,19 @@ def _summed_inside_pairs(
     model: nn.Module, example: Any, units: list[Unit], others: list[Decision]
 ) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Layer kept whole that reads a pair's split values -> (the pair's row, its parameters),
-    their gradients summed over tp; a pair whose reader cannot be summed is kept whole."""
+    their gradients summed over tp; a pair that reads what no such sum mends is kept whole."""
     pairs = {u.name: [c.name for c in u.feeders] for u in units if u.split == "row" and u.feeders}
     names = [d.name for d in others] + [u.name for u in units if u.split == "replicate"]
     holders = {name: model.get_submodule(name) for name in names}
-    if not pairs or not holders:  # nothing to look for: no forward
+    if not pairs:  # nothing to look for: no forward
         return {}
     decided = {unit.name for unit in units} | {d.name for d in others}
     summed, whole = summed_or_whole(model, example, pairs, holders, decided)
     by_name = {unit.name: unit for unit in units}
-    for row_name, readers in whole.items():
+    for row_name, reason in whole.items():
         row = by_name[row_name]
-        why = (
-            f"kept whole with its partners: {', '.join(readers)} (kept whole) read their "
-            "split values and run again elsewhere or share their weights"
-        )
         for unit in [*row.feeders, row]:
-            _set(unit, "replicate", why)
+            _set(unit, "replicate", f"kept whole with its partners: {reason}")
             unit.after, unit.feeders, unit.per_rank, unit.wiring, unit.parts = None, [], (), {}, 1
     return summed
 
