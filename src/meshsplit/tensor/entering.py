@@ -79,7 +79,7 @@ def what_enters(
     model.eval()
     try:
         # the graph's shape is all that is read: nothing saved for a backward, no memory
-        with torch.enable_grad(), hooked(register), saved_tensors_hooks(_dropped, _dropped):
+        with torch.enable_grad(), hooked(register), saved_tensors_hooks(_dropped, _never_read):
             call_model(model, example)
     finally:
         model.train(training)
@@ -110,8 +110,12 @@ def _walk(roots: list[Any], stop: set[Any], start: int, names: dict[int, str]) -
     return entering
 
 
-def _dropped(_: Any) -> None:
+def _dropped(_: torch.Tensor) -> None:
     return None
+
+
+def _never_read(_: Any) -> torch.Tensor:
+    raise RuntimeError("the data-flow walk's graph saved nothing for a backward")
 
 
 def _node(tensor: torch.Tensor) -> Any:
