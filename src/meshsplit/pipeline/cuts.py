@@ -79,11 +79,16 @@ class Cuts:
         """State no item holds: the code between pieces reads it (a learned position table on
         the root, a buffer) or nothing does. Every stage keeps it."""
         held = {id(t) for module in self.modules for t in _tensors(module)}
+        named = {name for module in self.modules for name in _by_model_name(module)}
         return {
             name: t
             for name, t in self.model.state_dict(keep_vars=True).items()
-            if id(t) not in held
-        } | {name: p for name, p in self.model.named_parameters() if id(p) not in held}
+            if id(t) not in held and name not in named
+        } | {
+            name: p
+            for name, p in self.model.named_parameters()
+            if id(p) not in held and name not in named
+        }
 
     def stage_module(self, rank: int) -> nn.Module:
         """The modules rank `rank` trains, as one module (for parameters and mode)."""
@@ -101,20 +106,25 @@ class Cuts:
         """Rank `index`'s state under the original model's names: every name of a tensor its
         items hold (an alias of a tied weight too, e.g. T5's `shared`), and the common state."""
         mine, common = self._held(index), self._common()
+        own = {
+            k: t for i in self.items_of(index) for k, t in _by_model_name(self.modules[i]).items()
+        }
         return {
-            key: value
+            key: own.get(key, value)
             for key, value in self.model.state_dict(keep_vars=True).items()
-            if id(value) in mine or key in common
+            if id(value) in mine or key in common or key in own
         }
 
     def release_other_stages(self, index: int) -> None:
-        """Free the weights of other ranks' items, so each rank holds only its share."""
+        """Free the weights of other ranks' items, so each rank holds only its share. Their
+        buffers stay: the model's own forward, which every stage runs, may read one outside
+        its item (FNet's and Nystromformer's read the embeddings' token_type_ids)."""
         mine = self._held(index)
-        everyone = {id(t) for module in self.modules for t in _tensors(module)}
+        everyone = {id(p) for module in self.modules for p in module.parameters()}
         with torch.no_grad():
-            for tensor in _tensors(self.model):
-                if id(tensor) in everyone and id(tensor) not in mine:
-                    tensor.data = tensor.data.new_empty(0)
+            for param in self.model.parameters():
+                if id(param) in everyone and id(param) not in mine:
+                    param.data = param.data.new_empty(0)
 
     def shared_parameters(self) -> list[tuple[str, tuple[int, ...], nn.Parameter]]:
         """(name, ranks, parameter) for each parameter several ranks hold: one that items of
@@ -137,6 +147,15 @@ class Cuts:
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
+
+
+def _by_model_name(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A traced item's own references to tensors its code reads directly (PoolFormer's
+    layer_scale), under their names in the model: sharding replaces them there, not in the
+    model, which then still holds the old ones."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return {}
+    return dict(module.state_dict(keep_vars=True))
 
 
 def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
