@@ -139,16 +139,13 @@ MORE: dict[str, Callable[[], nn.Module]] = {
     "gemma3": _causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_GQA, head_dim=8),
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", **_GQA, head_dim=8),
     # FNet: its own forward reads the embeddings' token_type_ids buffer on every stage
-    "fnet": lambda: Wrap(
-        transformers.FNetForMaskedLM(
-            transformers.FNetConfig(
-                vocab_size=VOCAB,
-                **_LM,
-                intermediate_size=64,
-                hidden_dropout_prob=0.0,
-                max_position_embeddings=16,
-            )
-        )
+    "fnet": _causal(
+        "FNetForMaskedLM",
+        "FNetConfig",
+        **_LM,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        max_position_embeddings=16,
     ),  # fmt: skip
     # Llama 4: complex rotary frequencies cross the stage boundaries
     "llama4": _causal(

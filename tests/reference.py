@@ -21,6 +21,19 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
+class HeadNormAttention(nn.Module):
+    """Qwen3's attention in small: each head's query normalised by a norm kept whole, between
+    q and o (the tp split sums that norm's gradients over tp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.q(x).unflatten(-1, (-1, 4))
+        return x + self.o(self.q_norm(heads).flatten(-2))
+
+
 class SkipMLP(nn.Module):
     """Not an nn.Sequential: the first layer's output skips three layers to the head's input."""
 
@@ -138,23 +151,26 @@ def assert_matches(
     *,
     rtol: float = RTOL,
     atol: float = ATOL,
+    case: str = "",
 ) -> None:
-    """Every rank's losses and full state equal the single-process run."""
+    """Every rank's losses and full state equal the single-process run (`case` names the
+    run in the messages)."""
     want_losses, want_state = expected
     for rank, (losses, state) in enumerate(results):
+        where = f"{case} rank {rank}".lstrip()
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(want_losses),
             rtol=rtol,
             atol=atol,
-            msg=lambda m, rank=rank: f"rank {rank} losses: {m}",
+            msg=lambda m, where=where: f"{where} losses: {m}",
         )
-        assert state.keys() == want_state.keys(), f"rank {rank} state keys differ"
+        assert state.keys() == want_state.keys(), f"{where} state keys differ"
         for key, value in want_state.items():
             torch.testing.assert_close(
                 state[key],
                 value,
                 rtol=rtol,
                 atol=atol,
-                msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}",
+                msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
             )

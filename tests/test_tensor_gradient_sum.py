@@ -19,22 +19,10 @@ import meshsplit as ms
 transformers = pytest.importorskip("transformers")
 
 from hf_models import MORE  # noqa: E402
-from reference import train_plainly  # noqa: E402
+from reference import HeadNormAttention, assert_matches, train_plainly  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 BATCH, STEPS = 8, 3
-
-
-class HeadNormAttention(nn.Module):
-    """Qwen3's attention in small: each head's query normalised by a norm kept whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        heads = self.q(x).unflatten(-1, (-1, 4))
-        return x + self.o(self.q_norm(heads).flatten(-2))
 
 
 def _head_norms() -> nn.Module:
@@ -95,17 +83,12 @@ def test_whole_layers_inside_split_pairs_match_one_process() -> None:
         want_losses, want_state = train_plainly(
             net, _sgd(net.parameters()), _loss(model), _batches(model)
         )
-        for rank, results in enumerate(per_rank):
-            got, where = results[index], f"{model} {plan} rank {rank}"
-            torch.testing.assert_close(
-                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
-                msg=lambda m, where=where: f"{where} losses: {m}",
-            )  # fmt: skip
-            for key, value in want_state.items():
-                torch.testing.assert_close(
-                    got["state"][key], value, rtol=RTOL, atol=ATOL,
-                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
-                )  # fmt: skip
+        results = [(r[index]["losses"], r[index]["state"]) for r in per_rank]
+        assert_matches(
+            results, (want_losses, want_state), rtol=RTOL, atol=ATOL, case=f"{model} {plan}"
+        )
+        for rank, ranks in enumerate(per_rank):
+            got, where = ranks[index], f"{model} {plan} rank {rank}"
             splits = got["splits"]
             assert any(names for _, names in splits.values()), f"{where}: nothing summed"
             queries = [s for name, (s, _) in splits.items() if name.endswith(("q_proj", ".q"))]

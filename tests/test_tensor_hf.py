@@ -32,6 +32,7 @@ from meshsplit.tensor import plan_splits  # noqa: E402
 from meshsplit.tensor.shards import local_shard, shard_layouts  # noqa: E402
 
 import hf_models  # noqa: E402
+from reference import HeadNormAttention  # noqa: E402
 
 TP = 2
 STEPS = 3
@@ -207,18 +208,6 @@ def test_a_meta_subclass_that_only_spells_out_the_base_is_split() -> None:
     assert sum(p.numel() for p in model.parameters()) == whole
     expected = F.mse_loss(model(first["x"]), torch.zeros(4, 8)).item()
     assert first["loss"] == pytest.approx(expected, rel=1e-5)
-
-
-class HeadNormAttention(nn.Module):
-    """Qwen3's attention in small: each head's query normalised by a norm kept whole."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q, self.o, self.q_norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        heads = self.q(x).unflatten(-1, (-1, 4))
-        return self.o(self.q_norm(heads).flatten(-2))
 
 
 def test_a_whole_layer_reading_a_pairs_split_values_has_its_gradients_summed() -> None:

@@ -13,6 +13,7 @@ again elsewhere would have that use counted tp times, so the pair around it is k
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,9 +78,10 @@ def summed_or_whole(
     entering = {} if lazy else what_enters(model, example, pairs)
     summed: dict[str, tuple[str, tuple[str, ...]]] = {}
     whole: dict[str, str] = {}
+    paths = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for row in pairs:
         readers = found.get(row, [])
-        owned = {r: _owned(model, r, decided) for r in readers if r not in again}
+        owned = {r: _owned(model, r, decided, paths) for r in readers if r not in again}
         inside = entering.get(row, Entering())
         covered = {name for names in owned.values() for name in names}
         stray = sorted(inside.parameters - covered)
@@ -103,12 +105,10 @@ def summed_or_whole(
     return summed, whole
 
 
-def _owned(model: nn.Module, name: str, decided: set[str]) -> tuple[str, ...]:
+def _owned(model: nn.Module, name: str, decided: set[str], paths: Counter[int]) -> tuple[str, ...]:
     """The parameters of layer `name` (not those of a layer inside it with a decision of its
-    own), by their names in `model`; () when any of them is also reachable elsewhere."""
-    paths: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        paths[id(p)] = paths.get(id(p), 0) + 1
+    own), by their names in `model`; () when any of them is also reachable elsewhere
+    (`paths`: how many names each parameter has in `model`)."""
     inner = tuple(d + "." for d in decided if d.startswith(name + "."))
     mine = [
         (path, p)
