@@ -120,6 +120,10 @@ BUILDERS = {
         shared_expert_intermediate_size=32,
         num_experts_per_tok=2,
     ),  # fmt: skip
+    # GPT-OSS: experts(hidden_states, router_indices, routing_weights), biases per expert
+    "gpt_oss": lambda: _hf(
+        "GptOssForCausalLM", "GptOssConfig", intermediate_size=16, num_local_experts=4, head_dim=8
+    ),
 }
 
 
@@ -138,7 +142,7 @@ def _expert_bytes(net: nn.Module) -> int:
 
 
 def _is_expert(name: str, param: torch.Tensor) -> bool:
-    return param.dim() == 3 or ".experts.experts." in name
+    return param.dim() == 3 or ".experts." in name
 
 
 def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -322,3 +326,23 @@ def test_the_trainer_and_the_command_line_take_the_expert_split(tmp_path: Any) -
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(out.read_text())["plan"]["ep"] == 2
+
+
+def test_an_experts_call_is_read_by_position_or_by_either_spelling_of_its_names() -> None:
+    from meshsplit.experts.split import call_names, routing_arguments
+
+    class GptOssStyle(nn.Module):
+        def forward(self, hidden_states: Any, router_indices: Any, routing_weights: Any) -> Any:
+            return hidden_states
+
+    class Other(nn.Module):
+        def forward(self, hidden_states: Any, mask: Any) -> Any:
+            return hidden_states
+
+    names = call_names(GptOssStyle)
+    assert names == ("hidden_states", "router_indices", "routing_weights")
+    assert call_names(Other) is None
+    assert routing_arguments(names, (1, 2, 3), {}) == (1, 2, 3)
+    assert routing_arguments(names, (1,), {"routing_weights": 3, "router_indices": 2}) == (1, 2, 3)
+    with pytest.raises(TypeError, match="top-k indices"):
+        routing_arguments(names, (1,), {"top_k_index": 2})

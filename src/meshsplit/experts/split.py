@@ -1,7 +1,8 @@
 """Expert split (Plan.ep): each experts module keeps 1/ep of its experts on each ep rank.
 
 An experts module is one called as `experts(hidden_states, top_k_index, top_k_weights)`
-(Hugging Face transformers v5's MoE families, or a user's own with that call) whose experts
+(Hugging Face transformers v5's MoE families, GPT-OSS's spelling of the same call, or a
+user's own with that call) whose experts
 lie along dim 0 of its fused parameters. Its class becomes a subclass whose forward sends
 each token to the ranks holding its experts (dispatch.py) and runs the module's own forward
 there on the rows that arrived, each with its local expert and weight 1; the router's
@@ -27,8 +28,13 @@ from meshsplit.plan_values import PlanError, divisors
 
 __all__: list[str] = []
 
-CALL = ("hidden_states", "top_k_index", "top_k_weights")
-"""How an experts module is called (transformers v5's one shape for every MoE family)."""
+CALLS = (
+    ("hidden_states", "top_k_index", "top_k_weights"),
+    ("hidden_states", "router_indices", "routing_weights"),
+)
+"""How an experts module is called: the tokens, each one's top-k expert indices and their
+weights (transformers v5's one shape for its MoE families; GPT-OSS names the same three
+arguments the second way)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,9 @@ def find_experts(model: nn.Module, named: Mapping[str, str] | None) -> list[str]
         raise PlanError(
             f"Plan.ep > 1 but {type(model).__name__} has no experts module (one called as "
             "experts(hidden_states, top_k_index, top_k_weights) with the experts along dim 0 "
-            "of its 3-D parameters); use ep=1, or name them in Plan.ep_plan"
+            "of its 3-D parameters; experts that every token runs, as Llama 4's, or that "
+            "take tokens sorted by expert, as JetMoE's, are not split); use ep=1, or name "
+            "them in Plan.ep_plan"
         )
     return found
 
@@ -85,12 +93,32 @@ def experts_in(model: nn.Module) -> dict[str, int]:
     }
 
 
-def _experts_call(module: nn.Module) -> bool:
+def call_names(cls: type[nn.Module]) -> tuple[str, ...] | None:
+    """The names an experts class's forward takes (tokens, indices, weights) by, if it is
+    called like one (see CALLS)."""
     try:
-        names = list(inspect.signature(type(module).forward).parameters)[1:]
+        names = tuple(list(inspect.signature(cls.forward).parameters)[1:4])
     except (TypeError, ValueError):
-        return False
-    return tuple(names[:3]) == CALL
+        return None
+    return names if names in CALLS else None
+
+
+def routing_arguments(
+    names: tuple[str, ...] | None, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[Any, Any, Any]:
+    """(tokens, top-k indices, top-k weights) of one call of an experts module, passed by
+    position or by the module's own names."""
+    passed = [*args[:3], *(kwargs[n] for n in (names or ())[len(args) : 3] if n in kwargs)]
+    if len(passed) != 3:
+        raise TypeError(
+            f"an experts module takes (tokens, top-k indices, top-k weights); got "
+            f"{len(args)} positional arguments and {sorted(kwargs)}"
+        )
+    return passed[0], passed[1], passed[2]
+
+
+def _experts_call(module: nn.Module) -> bool:
+    return call_names(type(module)) is not None
 
 
 def _count(module: nn.Module) -> int | None:
@@ -174,10 +202,11 @@ class ExpertParallel:
     """What the module's forward calls this rank's first expert: 0 when fused (the local
     slice), its global index when the experts are a ModuleList (their places are kept)."""
     dropped_tokens: int
+    ep_call: tuple[str, ...] | None
+    """The names the experts class takes its three arguments by (None: by position only)."""
 
-    def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden_states, top_k_index, top_k_weights = routing_arguments(self.ep_call, args, kwargs)
         local_forward = super().forward  # type: ignore[misc]
 
         def run_local(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -198,7 +227,9 @@ _CLASSES: dict[type, type] = {}
 
 def _expert_parallel_class(cls: type) -> type:
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+        _CLASSES[cls] = type(
+            f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {"ep_call": call_names(cls)}
+        )
     return _CLASSES[cls]
 
 

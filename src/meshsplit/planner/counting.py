@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import call_model
-from meshsplit.experts.split import CALL, experts_in
+from meshsplit.experts.split import call_names, experts_in, routing_arguments
 from meshsplit.gather import ALL_GATHER
 from meshsplit.job.traffic import count_traffic
 from meshsplit.pipeline.cuts import Cuts
@@ -68,10 +68,9 @@ class _Counts:
         tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         self.exits += sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
 
-    def dispatched(self, _: nn.Module, args: Any, kwargs: Any, __: Any) -> None:
+    def dispatched(self, experts: nn.Module, args: Any, kwargs: Any, __: Any) -> None:
         """A forward hook on an experts module: the rows ep would send, tokens x top-k."""
-        passed = [*args, *(kwargs[name] for name in CALL if name in kwargs)]
-        hidden, index = passed[0], passed[1]
+        hidden, index, _ = routing_arguments(call_names(type(experts)), args, kwargs)
         self.experts_calls += 1
         self.dispatch_bytes += hidden.numel() * hidden.element_size() * index.shape[-1]
 
