@@ -124,6 +124,15 @@ BUILDERS = {
     "gpt_oss": lambda: _hf(
         "GptOssForCausalLM", "GptOssConfig", intermediate_size=16, num_local_experts=4, head_dim=8
     ),
+    # Llama 4: every token runs every expert, its input scaled by the router (zero if unchosen)
+    "llama4": lambda: _hf(
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        intermediate_size=16,
+        intermediate_size_mlp=32,
+        num_local_experts=4,
+        head_dim=8,
+    ),  # fmt: skip
 }
 
 

@@ -2,7 +2,7 @@
 
 An experts module is one called as `experts(hidden_states, top_k_index, top_k_weights)`
 (Hugging Face transformers v5's MoE families, GPT-OSS's spelling of the same call, or a
-user's own with that call) whose experts
+user's own with that call), or one that every token runs (Llama 4's, dense.py), whose experts
 lie along dim 0 of its fused parameters. Its class becomes a subclass whose forward sends
 each token to the ranks holding its experts (dispatch.py) and runs the module's own forward
 there on the rows that arrived, each with its local expert and weight 1; the router's
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshsplit.experts.dense import dense_dispatch, is_dense, is_dense_class, live_rows
 from meshsplit.experts.dispatch import dispatch
 from meshsplit.gather import all_gather_flat
 from meshsplit.mesh import Mesh
@@ -76,9 +77,8 @@ def find_experts(model: nn.Module, named: Mapping[str, str] | None) -> list[str]
         raise PlanError(
             f"Plan.ep > 1 but {type(model).__name__} has no experts module (one called as "
             "experts(hidden_states, top_k_index, top_k_weights) with the experts along dim 0 "
-            "of its 3-D parameters; experts that every token runs, as Llama 4's, or that "
-            "take tokens sorted by expert, as JetMoE's, are not split); use ep=1, or name "
-            "them in Plan.ep_plan"
+            "of its 3-D parameters; experts that take tokens sorted by expert, as JetMoE's, "
+            "are not split); use ep=1, or name them in Plan.ep_plan"
         )
     return found
 
@@ -117,8 +117,19 @@ def routing_arguments(
     return passed[0], passed[1], passed[2]
 
 
+def dispatched_bytes(experts: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Bytes of the rows ep sends for one call of an experts module: tokens x top-k rows
+    (the rows that are not zero, for experts that every token runs)."""
+    if is_dense(experts):
+        routed = args[0] if args else next(iter(kwargs.values()))
+        rows = len(live_rows(routed, _count(experts) or 1)[0])
+        return rows * routed.shape[-1] * routed.element_size()
+    hidden, index, _ = routing_arguments(call_names(type(experts)), args, kwargs)
+    return hidden.numel() * hidden.element_size() * index.shape[-1]
+
+
 def _experts_call(module: nn.Module) -> bool:
-    return call_names(type(module)) is not None
+    return is_dense(module) or call_names(type(module)) is not None
 
 
 def _count(module: nn.Module) -> int | None:
@@ -221,14 +232,28 @@ class ExpertParallel:
         return output
 
 
+class DenseExpertParallel(ExpertParallel):
+    """Mixed in first for experts that every token runs: the rows that are not zero go to
+    their experts' ranks and come back in their places (dense.py)."""
+
+    def forward(self, routed: torch.Tensor) -> torch.Tensor:
+        own_forward = super(ExpertParallel, self).forward  # type: ignore[misc]
+        output, dropped = dense_dispatch(
+            routed, self.ep_experts, self.ep_group, own_forward, self.ep_capacity
+        )
+        self.dropped_tokens += dropped
+        return output
+
+
 _CLASSES: dict[type, type] = {}
 """One expert-parallel subclass per experts class."""
 
 
-def _expert_parallel_class(cls: type) -> type:
+def _expert_parallel_class(cls: type[nn.Module]) -> type:
     if cls not in _CLASSES:
+        mixin = DenseExpertParallel if is_dense_class(cls) else ExpertParallel
         _CLASSES[cls] = type(
-            f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {"ep_call": call_names(cls)}
+            f"ExpertParallel{cls.__name__}", (mixin, cls), {"ep_call": call_names(cls)}
         )
     return _CLASSES[cls]
 

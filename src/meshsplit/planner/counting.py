@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from meshsplit.batch import call_model
-from meshsplit.experts.split import call_names, experts_in, routing_arguments
+from meshsplit.experts.split import dispatched_bytes, experts_in
 from meshsplit.gather import ALL_GATHER
 from meshsplit.job.traffic import count_traffic
 from meshsplit.pipeline.cuts import Cuts
@@ -70,9 +70,8 @@ class _Counts:
 
     def dispatched(self, experts: nn.Module, args: Any, kwargs: Any, __: Any) -> None:
         """A forward hook on an experts module: the rows ep would send, tokens x top-k."""
-        hidden, index, _ = routing_arguments(call_names(type(experts)), args, kwargs)
         self.experts_calls += 1
-        self.dispatch_bytes += hidden.numel() * hidden.element_size() * index.shape[-1]
+        self.dispatch_bytes += dispatched_bytes(experts, args, kwargs)
 
     def compact(self, boundary_bytes: int) -> float:
         """`boundary_bytes` of the item's outputs with floating tensors at 2 bytes each."""
