@@ -239,6 +239,17 @@ def test_pp2_x_tp2_matches_plain_autocast() -> None:
     _check(FOUR, ms.launch(_train, 4, args=(FOUR,), timeout_s=400))
 
 
+def test_a_pipeline_of_one_micro_batch_is_plain_autocast_to_the_bit() -> None:
+    """Values cross stages in their own dtype: LLaMA's float32 residual stream and its
+    gradient are not rounded to bf16 on the way (they were: its loss moved in step 1)."""
+    case: Case = ("llama", {"pp": 2, "micro_batches": 1}, "bf16-mixed", 1.0)
+    want = _single("llama", "bf16-mixed", 1.0)
+    for results in ms.launch(_train, 2, args=([case],), timeout_s=300):
+        assert results[0]["losses"] == want["losses"]
+        for key, value in want["state"].items():
+            torch.testing.assert_close(results[0]["state"][key], value, rtol=0, atol=0, msg=key)
+
+
 def test_parameter_servers_push_gradients_in_the_reduce_dtype() -> None:
     case: Case = ("transformer", {"dp": 2, "sync": "ps", "reduce_dtype": "bf16"}, "bf16-mixed", 1)
     per_rank = ms.launch(_train, 3, args=([case],), timeout_s=300)

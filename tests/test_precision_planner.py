@@ -115,16 +115,18 @@ def test_bf16_estimate_is_within_ten_percent_of_every_ranks_measured_peak() -> N
             )
 
 
-def test_the_cost_model_halves_pipeline_messages_and_a_bf16_dp_reduce() -> None:
+def test_the_cost_model_halves_compressed_pipeline_messages_and_a_bf16_dp_reduce() -> None:
     machine = _synthetic_machine()
     fp32 = _synthetic_workload()
     mixed = replace(fp32, precision="bf16-mixed")
     shape = ms.Plan(dp=2, pp=2, micro_batches=4)
     full = predict(fp32, machine, shape).bytes_per_step
-    half = predict(mixed, machine, replace(shape, reduce_dtype="bf16", **BF16)).bytes_per_step
+    halved = replace(shape, reduce_dtype="bf16", compress_transfers="bf16", **BF16)
+    half = predict(mixed, machine, halved).bytes_per_step
     assert half["pp"] == full["pp"] / 2 and half["dp"] == full["dp"] / 2
     kept = predict(mixed, machine, replace(shape, **BF16)).bytes_per_step
     assert kept["dp"] == full["dp"]  # an fp32 reduce moves fp32 gradients
+    assert kept["pp"] == full["pp"]  # messages travel in the dtypes the stage made them in
     with pytest.raises(ValueError, match="measured under fp32"):
         predict(fp32, machine, replace(shape, **BF16))
 
@@ -174,7 +176,7 @@ def test_choose_plan_ranks_every_plan_under_the_precision_asked_for() -> None:
     for row in alike:
         bytes_per_step = row.prediction.bytes_per_step
         fp32 = full[_key(row.plan)].bytes_per_step
-        assert bytes_per_step["pp"] == fp32["pp"] / 2
+        assert bytes_per_step["pp"] == fp32["pp"]  # the residual stream crosses in fp32
         dp_full, dp_mixed = fp32["dp"], bytes_per_step["dp"]
         if row.plan.zero == 0:
             assert dp_mixed == dp_full / 2

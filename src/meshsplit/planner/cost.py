@@ -8,7 +8,7 @@ makespan, which dp traffic (or the parameter servers' push and pull, `ps_cost.py
 optimizer and cores shared by the workers then lengthen. `terms` splits the step
 into what the busiest rank spends. Precision is priced where it acts: compute, saved
 activations and tp traffic are the workload's, measured under the plan's autocast; stage
-messages travel in the wire dtype (2 bytes per floating value under mixed precision) and
+messages travel in their own dtypes (2 bytes per floating value under compress_transfers) and
 the dp gradient reduce in Plan.reduce_dtype (`dp_cost.py`). Under Plan.ep a rank holds 1/ep
 of the experts and its experts layers dispatch by all-to-all (`expert_cost.py`).
 Rationale: docs/internals.md#plannercostpy
@@ -240,7 +240,7 @@ def _stages(
 
 def _message_bytes(item: Item, plan: Plan) -> float:
     """Bytes per row of the message a stage boundary after `item` sends: its outputs, with
-    floating tensors at 2 bytes when transfers travel in bf16 or fp16 (see p2p.wire_dtype)."""
+    floating tensors at 2 bytes under Plan.compress_transfers="bf16" (see p2p.wire_dtype)."""
     if wire_dtype(plan) is None:
         return item.output_bytes_per_row
     if item.compact_output_bytes_per_row is None:
