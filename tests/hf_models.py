@@ -220,3 +220,55 @@ KINDS = {"bert": "classify", "distilbert": "classify", "roberta": "classify"} | 
 }
 """What a model reads and predicts: 'pixels' (images -> 10 classes), 'classify' (tokens -> 3
 classes); every other model maps tokens to next-token logits."""
+
+
+_MOE = {
+    **_GQA,
+    "num_hidden_layers": 2,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "pad_token_id": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+_MLA = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "qk_nope_head_dim": 4,
+}
+MOE: dict[str, Callable[[], nn.Module]] = {
+    name: _causal(f"{name}ForCausalLM", f"{name}Config", **{**_MOE, **extra})
+    for name, extra in (
+        ("Qwen3Moe", {"head_dim": 8, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+        ("Olmoe", {}),
+        ("Cohere2Moe", {}),
+        ("DeepseekV2", _MLA),
+        ("DeepseekV3", _MLA),
+        ("Dots1", {"n_shared_experts": 1}),
+        ("Ernie4_5_Moe", {}),
+        ("ExaoneMoe", {"head_dim": 8}),
+        ("FlexOlmo", {}),
+        ("Glm4Moe", {"head_dim": 8}),
+        ("Glm4MoeLite", _MLA),
+        ("GraniteMoe", {}),
+        ("GraniteMoeShared", {"shared_intermediate_size": 16}),
+        ("HunYuanMoEV1", {"head_dim": 8}),
+        ("Jamba", {"attn_layer_offset": 1, "attn_layer_period": 2,
+                         "expert_layer_period": 1, "expert_layer_offset": 0}),
+        ("Lfm2Moe", {"num_dense_layers": 0, "layer_types": ["conv", "full_attention"]}),
+        ("MiniMax", {"head_dim": 8}),
+        ("Phimoe", {"router_jitter_noise": 0.0}),  # it draws noise in training otherwise
+        ("Qwen3Next", {"num_hidden_layers": 4, "head_dim": 8}),
+    )
+}  # fmt: skip
+"""Mixture-of-experts families beyond those tests/test_experts.py trains under every ep plan,
+each tried under dp2 ep2 (random weights; router jitter and dropout off)."""
