@@ -361,3 +361,57 @@ def test_an_experts_call_is_read_by_position_or_by_either_spelling_of_its_names(
     assert routing_arguments(names, (1,), {"routing_weights": 3, "router_indices": 2}) == (1, 2, 3)
     with pytest.raises(TypeError, match="top-k indices"):
         routing_arguments(names, (1,), {"top_k_index": 2})
+
+
+def test_rows_for_experts_that_every_token_runs_are_laid_out_expert_major() -> None:
+    from meshsplit.experts.dense import _expert_major, live_rows
+
+    def scaled_by_expert(grid: torch.Tensor) -> torch.Tensor:  # expert e multiplies by e + 1
+        return grid.view(2, -1, grid.shape[-1]) * torch.tensor([1.0, 2.0]).view(2, 1, 1)
+
+    rows = torch.arange(12.0).view(4, 3)
+    local = torch.tensor([1, 0, 1, 1])  # arrival order: runs from two sources
+    got = _expert_major(rows, local, 2, lambda g: scaled_by_expert(g).reshape(-1, 3))
+    torch.testing.assert_close(got, rows * (local + 1).unsqueeze(-1).float())
+    none = _expert_major(rows[:0], local[:0], 2, lambda g: g)
+    assert none.shape == (0, 3)
+    routed = torch.zeros(2 * 3, 4)  # 2 experts x 3 tokens, expert-major
+    routed[1], routed[3] = 1.0, 2.0  # token 1 chose expert 0, token 0 chose expert 1
+    experts, tokens = live_rows(routed, 2)
+    assert experts.tolist() == [0, 1] and tokens.tolist() == [1, 0]
+
+
+def _llama4_experts_when_one_rank_gets_nothing() -> list[bool]:
+    """Llama 4's experts split over 2 ranks, every token choosing rank 0's experts: rank 1
+    runs on no rows, and both ranks' outputs and gradients equal the unsplit module's."""
+    import copy
+
+    from meshsplit.experts.split import split_experts
+
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(hidden_size=8, intermediate_size=4, num_local_experts=4)
+    holder = nn.Module()
+    holder.experts = transformers.models.llama4.modeling_llama4.Llama4TextExperts(config)
+    whole = copy.deepcopy(holder.experts)
+    routed = torch.zeros(4, 3, 8)
+    routed[:2] = torch.randn(2, 3, 8)  # experts 0 and 1 only: rank 0's
+    routed = routed.view(12, 8).requires_grad_()
+    want = whole(routed)
+    want.square().sum().backward()
+    expected = (routed.grad.clone(), whole.gate_up_proj.grad)
+    routed.grad = None
+    split_experts(holder, ["experts"], torch.distributed.group.WORLD, None)
+    got = holder.experts(routed)
+    got.square().sum().backward()
+    rank = torch.distributed.get_rank()
+    mine = expected[1][2 * rank : 2 * rank + 2]
+    return [
+        torch.allclose(got, want, rtol=1e-5, atol=1e-6),
+        torch.allclose(routed.grad, expected[0], rtol=1e-5, atol=1e-6),
+        torch.allclose(holder.experts.gate_up_proj.grad, mine, rtol=1e-5, atol=1e-6),
+    ]
+
+
+def test_experts_that_every_token_runs_are_exact_when_a_rank_gets_no_rows() -> None:
+    for rank, checks in enumerate(ms.launch(_llama4_experts_when_one_rank_gets_nothing, 2)):
+        assert all(checks), (rank, checks)

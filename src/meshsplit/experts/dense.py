@@ -38,7 +38,7 @@ def is_dense_class(cls: type) -> bool:
 def live_rows(routed: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert, token) of every row of `routed` that is not zero, sorted by expert."""
     with torch.no_grad():
-        live = routed.view(experts, -1, routed.shape[-1]).ne(0).any(-1)
+        live = routed.reshape(experts, -1, routed.shape[-1]).ne(0).any(-1)
         expert_of, token_of = live.nonzero(as_tuple=True)
     return expert_of, token_of
 
@@ -53,7 +53,7 @@ def dense_dispatch(
     """What `experts(routed)` returns on one process, the experts spread over `group`
     (`local_forward` runs this rank's on expert-major rows); and the rows dropped."""
     hidden = routed.shape[-1]
-    grid = routed.view(experts, -1, hidden)
+    grid = routed.reshape(experts, -1, hidden)
     expert_of, token_of = live_rows(routed, experts)
     rows = grid[expert_of, token_of]
     index = expert_of.unsqueeze(-1)
@@ -74,9 +74,10 @@ def _expert_major(
     local_forward: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
     """`local_forward` on `rows` laid out as the module takes them: per local expert, its
-    rows in arrival order, padded with zero rows to the busiest expert's count."""
+    rows in arrival order, padded with zero rows to the busiest expert's count (at least
+    one: the module cannot lay out zero rows, and backward needs its graph all the same)."""
     counts = torch.bincount(local, minlength=per_rank)
-    width = int(counts.max()) if len(local) else 0
+    width = max(1, int(counts.max()) if len(local) else 0)
     order = torch.argsort(local, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(local)
