@@ -32,6 +32,7 @@ def is_dense(module: nn.Module) -> bool:
 
 
 def is_dense_class(cls: type) -> bool:
+    """Whether `cls` or a class it derives from is named in DENSE_EXPERTS."""
     return any(base.__name__ in DENSE_EXPERTS for base in cls.__mro__)
 
 
