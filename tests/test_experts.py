@@ -392,6 +392,8 @@ def _llama4_experts_when_one_rank_gets_nothing() -> list[bool]:
     config = transformers.Llama4TextConfig(hidden_size=8, intermediate_size=4, num_local_experts=4)
     holder = nn.Module()
     holder.experts = transformers.models.llama4.modeling_llama4.Llama4TextExperts(config)
+    for param in holder.experts.parameters():  # made with torch.empty: the model inits them
+        nn.init.normal_(param, std=0.2)
     whole = copy.deepcopy(holder.experts)
     routed = torch.zeros(4, 3, 8)
     routed[:2] = torch.randn(2, 3, 8)  # experts 0 and 1 only: rank 0's
@@ -404,7 +406,7 @@ def _llama4_experts_when_one_rank_gets_nothing() -> list[bool]:
     got = holder.experts(routed)
     got.square().sum().backward()
     rank = torch.distributed.get_rank()
-    mine = expected[1][2 * rank : 2 * rank + 2]
+    mine = 2 * expected[1][2 * rank : 2 * rank + 2]  # both ranks' rows reach rank 0's experts
     return [
         torch.allclose(got, want, rtol=1e-5, atol=1e-6),
         torch.allclose(routed.grad, expected[0], rtol=1e-5, atol=1e-6),
