@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from meshsplit.experts.dispatch import dispatch
+from meshsplit.experts.dispatch import dispatch, places
 
 __all__: list[str] = []
 
@@ -26,13 +25,9 @@ DENSE_EXPERTS = ("Llama4TextExperts",)
 (the call alone does not say that rows are expert-major and zero where unchosen)."""
 
 
-def is_dense(module: nn.Module) -> bool:
-    """Whether `module` is an experts module that every token runs (see DENSE_EXPERTS)."""
-    return is_dense_class(type(module))
-
-
-def is_dense_class(cls: type) -> bool:
-    """Whether `cls` or a class it derives from is named in DENSE_EXPERTS."""
+def is_dense(cls: type) -> bool:
+    """Whether experts of class `cls` (or of a class it derives from) run every token (see
+    DENSE_EXPERTS)."""
     return any(base.__name__ in DENSE_EXPERTS for base in cls.__mro__)
 
 
@@ -80,9 +75,8 @@ def _expert_major(
     counts = torch.bincount(local, minlength=per_rank)
     width = max(1, int(counts.max()) if len(local) else 0)
     order = torch.argsort(local, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(local)
-    position[order] = torch.arange(len(local), device=local.device) - starts[local[order]]
+    position[order] = places(local, order, counts)
     grid = rows.new_zeros((per_rank, width, rows.shape[-1]))
     grid = grid.index_put((local, position), rows)
     answers = local_forward(grid.view(-1, rows.shape[-1])).view(per_rank, width, -1)

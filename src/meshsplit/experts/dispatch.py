@@ -54,10 +54,7 @@ def route(
     dropped = 0
     if capacity_factor is not None:  # Megatron's rule: a cap per expert from each rank
         cap = math.ceil(flat.numel() / experts * capacity_factor)
-        position = torch.arange(flat.numel(), device=flat.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts
-        )
-        keep = position < cap
+        keep = places(flat, order, counts) < cap
         kept = order[keep]
         dropped = int((~keep).sum())
         counts = counts.clamp(max=cap)
@@ -69,6 +66,13 @@ def route(
     local = torch.arange(per_rank, device=flat.device).repeat(ranks)
     local_experts = torch.repeat_interleave(local, by_source.reshape(-1))
     return Route(order, kept, send_counts, receive_counts, local_experts, dropped)
+
+
+def places(keys: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """For each row of `order` (a stable sort of `keys`), its place among the rows of its key
+    (0, 1, ...); `counts` holds the rows per key."""
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(len(order), device=keys.device) - starts[keys[order]]
 
 
 class AllToAll(torch.autograd.Function):

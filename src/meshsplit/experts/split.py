@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit.experts.dense import dense_dispatch, is_dense, is_dense_class, live_rows
+from meshsplit.experts.dense import dense_dispatch, is_dense
 from meshsplit.experts.dispatch import dispatch
 from meshsplit.gather import all_gather_flat
 from meshsplit.mesh import Mesh
@@ -120,16 +120,16 @@ def routing_arguments(
 def dispatched_bytes(experts: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     """Bytes of the rows ep sends for one call of an experts module: tokens x top-k rows
     (the rows that are not zero, for experts that every token runs)."""
-    if is_dense(experts):
+    if is_dense(type(experts)):
         routed = args[0] if args else next(iter(kwargs.values()))
-        rows = len(live_rows(routed, _count(experts) or 1)[0])
+        rows = int(routed.ne(0).any(-1).sum())
         return rows * routed.shape[-1] * routed.element_size()
     hidden, index, _ = routing_arguments(call_names(type(experts)), args, kwargs)
     return hidden.numel() * hidden.element_size() * index.shape[-1]
 
 
 def _experts_call(module: nn.Module) -> bool:
-    return is_dense(module) or call_names(type(module)) is not None
+    return is_dense(type(module)) or call_names(type(module)) is not None
 
 
 def _count(module: nn.Module) -> int | None:
@@ -251,7 +251,7 @@ _CLASSES: dict[type, type] = {}
 
 def _expert_parallel_class(cls: type[nn.Module]) -> type:
     if cls not in _CLASSES:
-        mixin = DenseExpertParallel if is_dense_class(cls) else ExpertParallel
+        mixin = DenseExpertParallel if is_dense(cls) else ExpertParallel
         _CLASSES[cls] = type(
             f"ExpertParallel{cls.__name__}", (mixin, cls), {"ep_call": call_names(cls)}
         )
