@@ -244,7 +244,8 @@ def test_a_pipeline_of_one_micro_batch_is_plain_autocast_to_the_bit() -> None:
     gradient are not rounded to bf16 on the way (they were: its loss moved in step 1)."""
     case: Case = ("llama", {"pp": 2, "micro_batches": 1}, "bf16-mixed", 1.0)
     want = _single("llama", "bf16-mixed", 1.0)
-    for results in ms.launch(_train, 2, args=([case],), timeout_s=300):
+    # on the CPU, as the plain run: one bit of difference is the claim
+    for results in ms.launch(_train, 2, args=([case],), timeout_s=300, backend="gloo"):
         assert results[0]["losses"] == want["losses"]
         for key, value in want["state"].items():
             torch.testing.assert_close(results[0]["state"][key], value, rtol=0, atol=0, msg=key)
