@@ -112,18 +112,39 @@ def test_split_points_name_pieces_or_are_refused_with_the_choices() -> None:
         ms.Plan(pp=2, split_points=("a", "b"))
 
 
-class CallsTwice(nn.Module):
+class LoopsOverBlocks(nn.Module):
+    """A recurrent-depth model (as Hugging Face's Dory): blocks 1 and 2 run twice in a loop."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](self.emb(ids)))
+        for _ in range(2):
+            for block in self.blocks[1:3]:
+                x = torch.tanh(block(x))
+        return self.head(torch.tanh(self.blocks[3](x)))
 
 
-def test_a_piece_called_twice_is_refused() -> None:
-    with pytest.raises(ms.PlanError, match="'blocks.0' is called 2 times"):
-        find_blocks(CallsTwice(), torch.randn(2, 4))
+def test_a_loop_over_pieces_stays_on_one_stage() -> None:
+    """No cut falls inside the loop; cuts around it chain to the model's output, and a piece
+    the loop calls twice costs both calls."""
+    torch.manual_seed(0)
+    model, x = LoopsOverBlocks().eval(), torch.randint(0, 16, (4, 5))
+    blocks = find_blocks(model, x)
+    assert [p.name for p in blocks.pieces] == [
+        "emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"
+    ]  # fmt: skip
+    spine = Spine(model, blocks.pieces)
+    assert cut_positions(spine, x) == [1, 2, 4, 5]  # never before blocks.2
+    check_chain(spine, (2, 2, 2), x)
+    with pytest.raises(ms.PlanError, match=r"before \['blocks.2'\]"):
+        check_chain(spine, (3, 3), x)
+    with torch.no_grad():
+        assert torch.equal(model(x), LoopsOverBlocks.forward(model, x))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])

@@ -3,7 +3,8 @@ layers of the pipeline, both trained as one process trains them.
 
 The shared layer's two uses land on two stages (a tied parameter, summed over them) or on
 two chunks of one rank (interleaved: its gradient accumulates twice per micro-batch, which
-the dp sync must wait for before its bucket's all-reduce starts).
+the dp sync must wait for before its bucket's all-reduce starts). A model whose own forward
+loops over some of its blocks (recurrent depth) is cut around the loop, never inside it.
 """
 
 from __future__ import annotations
@@ -84,3 +85,71 @@ def test_the_dp_sync_waits_for_a_gradient_that_accumulates_twice_and_refuses_a_t
     ms.launch(_accumulates, 2, args=([2, 2, 2],), timeout_s=60)
     with pytest.raises(ms.WorkerError, match="accumulated after its bucket's all-reduce"):
         ms.launch(_accumulates, 2, args=([2, 3],), timeout_s=60)
+
+
+LOOP_CASES: list[dict[str, Any]] = [
+    {"dp": 2, "pp": 2, "micro_batches": 2},
+    {"pp": 4, "micro_batches": 4},
+    {"dp": 2, "pp": 2, "micro_batches": 2, "schedule": "zero-bubble"},
+]
+"""A recurrent-depth model's loop stays on one stage: its cuts fall before the embedding's
+successor, block 1, block 3 and the head only (pp4 takes three of the four)."""
+
+
+def _looping() -> list[tuple[list[float], dict[str, torch.Tensor], list[list[str]]]]:
+    results = []
+    for case in LOOP_CASES:
+        engine = ms.parallelize(
+            _loop_model(), ms.Plan(**case), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=nn.CrossEntropyLoss(),
+        )  # fmt: skip
+        losses = [engine.train_step(x, y) for x, y in _token_batches()]
+        layers = [chunk["layers"] for chunk in engine.describe()["stages"]]
+        results.append((losses, engine.full_state_dict(), layers))
+        engine.close()
+    return results
+
+
+class _Looping(nn.Module):
+    """Embedding, block 0, blocks 1-2 looped twice, block 3, head (Hugging Face's Dory's
+    shape, small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](self.emb(ids)))
+        for _ in range(2):
+            for block in self.blocks[1:3]:
+                x = torch.tanh(block(x))
+        return self.head(torch.tanh(self.blocks[3](x))).flatten(1)
+
+
+def _loop_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Looping()
+
+
+def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 16, (8, 1), generator=g), torch.randint(0, 16, (8,), generator=g))
+        for _ in range(3)
+    ]
+
+
+def test_a_loop_over_blocks_is_one_stages_and_trains_as_one_process() -> None:
+    model = _loop_model()
+    expected = train_plainly(
+        model, OPTIMIZERS["sgd"](model.parameters()), nn.CrossEntropyLoss(), _token_batches()
+    )
+    per_rank = ms.launch(_looping, 4, timeout_s=300)
+    for index, case in enumerate(LOOP_CASES):
+        assert_matches([rank[index][:2] for rank in per_rank], expected, case=str(case))
+        stages = per_rank[0][index][2]
+        loop = next(stage for stage in stages if "blocks.1" in stage)
+        assert "blocks.2" in loop, f"{case}: the loop was cut: {stages}"
+        assert len(stages) == case["pp"] and all(stages), stages

@@ -432,9 +432,10 @@ def test_backward_runs_one_all_reduce_per_region(name: str) -> None:
 
 
 def test_layers_kept_whole_say_why() -> None:
-    """Expert weights and grouped convolutions stay whole, and the decision says so."""
+    """Grouped convolutions, and expert weights without an example to prove their split on,
+    stay whole, and the decision says so (test_experts_tp.py splits them with one)."""
     for name, example, layer, reason in (
-        ("mixtral", torch.randint(0, 64, (4, 8)), "mlp.experts", "mixture-of-experts weights"),
+        ("mixtral", None, "mlp.experts", "3-D weights (one matrix per expert)"),
         ("convnext", torch.randn(4, 3, 32, 32), "dwconv", "groups="),
     ):
         torch.manual_seed(0)

@@ -97,13 +97,6 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
     names = _piece_names(model, lists)
     record = _observe(model, example, [named[n] for n in names])
     for name in names:
-        calls = record.calls[name]
-        if calls > 1:
-            raise PlanError(
-                f"the layer split needs each piece called once per forward, but {name!r} is "
-                f"called {calls} times (a reused module); keep it whole inside one piece by "
-                "wrapping the model as an nn.Sequential of pieces, or use pp=1"
-            )
         if record.nested.get(name):
             raise PlanError(
                 f"{name!r} is called inside {record.nested[name]!r}; pieces must follow each "
@@ -224,7 +217,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     """
     name_of = {id(m): n for n, m in model.named_modules()}
     record = _Record({name_of[id(m)]: 0 for m in modules}, {}, {}, {}, {}, {})
-    timings: dict[str, list[float]] = {name: [] for name in record.calls}
+    timings: dict[str, list[float]] = {name: [0.0] * _REPEATS for name in record.calls}
     active: list[str] = []
     started: dict[str, float] = {}
     example_rows = rows(example)
@@ -237,16 +230,16 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
                 record.nested.setdefault(name, active[-1])
             record.calls[name] += 1
             record.first_call.setdefault(name, len(record.first_call))
-            record.inputs[name] = tensors((args, kwargs))
+            record.inputs.setdefault(name, tensors((args, kwargs)))  # what a cut before sends
         active.append(name)
         started[name] = time.perf_counter()
 
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = name_of[id(module)]
         if sweep[0] == 0:
-            record.placeholders[name] = _placeholder(output, example_rows)
-        else:
-            timings[name].append(time.perf_counter() - started[name])
+            record.placeholders.setdefault(name, _placeholder(output, example_rows))
+        else:  # a piece the forward calls several times (a loop) costs all its calls
+            timings[name][sweep[0] - 1] += time.perf_counter() - started[name]
         active.pop()
 
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -264,7 +257,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
             for saved, live in zip(buffers, model.buffers(), strict=True):
                 live.copy_(saved)
         torch.random.set_rng_state(rng)
-    record.forward_ms = {name: 1e3 * min(ts) if ts else 0.0 for name, ts in timings.items()}
+    record.forward_ms = {name: 1e3 * min(ts) for name, ts in timings.items()}
     return record
 
 

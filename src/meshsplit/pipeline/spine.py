@@ -59,7 +59,7 @@ class Spine:
             first, stop = spine._range
             if index < first:
                 return piece.placeholder.make(spine._rows, spine._device)
-            if index == first and first > 0:
+            if index == first and first > 0 and not spine._swapped:  # its first call only
                 args, kwargs = spine._substitute(piece, (args, kwargs))
             elif spine._swapped:
                 args, kwargs = spine._resubstitute((args, kwargs))
@@ -144,16 +144,22 @@ def cut_positions(spine: Spine, example: Any) -> list[int]:
     """The pieces a stage may begin at: those where one cut alone keeps the model's output.
 
     (GPT-2 adds its token and position embeddings after calling both, so no stage may begin
-    at the position embedding.)
+    at the position embedding; a recurrent-depth model loops over some blocks, so no stage
+    begins inside the loop.)
     """
     with _evaluating(spine.model):
         want = _whole(spine, example)
         count = len(spine.pieces)
-        return [
-            k
-            for k in range(1, count)
-            if not _first_mismatch(_chained(spine, (k, count - k), example), want)
-        ]
+        return [k for k in range(1, count) if _keeps(spine, (k, count - k), example, want)]
+
+
+def _keeps(spine: Spine, sizes: Sequence[int], example: Any, want: Any) -> bool:
+    """Whether stages of `sizes`, chained, give `want`; a cut inside a loop over pieces (a
+    piece the forward calls again after a later one) fails, or runs on placeholders."""
+    try:
+        return not _first_mismatch(_chained(spine, sizes, example), want)
+    except (PlanError, RuntimeError, ValueError, IndexError, TypeError):
+        return False
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from meshsplit.tensor.attention import split_heads
 from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
+from meshsplit.tensor.experts import experts_decisions, split_experts_module
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.inside import summed_or_whole
 from meshsplit.tensor.layers import (
@@ -273,6 +274,7 @@ def plan_splits(
         if example is not None:
             _data_flow(model, example, units, tp, realize)
             summed = _summed_inside_pairs(model, example, units, others)
+            others = experts_decisions(model, example, others, tp, realize, set(summed))
     _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
@@ -317,6 +319,8 @@ def _with_sum(decision: Decision, inside: tuple[str, tuple[str, ...]]) -> Decisi
 
 
 def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGroup) -> nn.Module:
+    if decision.split == "experts":
+        return split_experts_module(module, dict(decision.layouts), group)
     if decision.split == "heads":
         return split_heads(module, group)
     if decision.split == "vocab":

@@ -61,7 +61,7 @@ class Decision:
     layer: str
     """What the layer is, e.g. 'Linear(784->1024)'."""
     split: str
-    """'column', 'row', 'vocab', 'heads' or 'replicate'."""
+    """'column', 'row', 'vocab', 'heads', 'experts' or 'replicate'."""
     reason: str
     """One line of why."""
     gather_output: bool = False
@@ -74,9 +74,13 @@ class Decision:
     """Row split only: 'module.attribute' ints (head counts, split sizes) divided by tp."""
     tied: str = ""
     """Vocab/column split only: the layer whose weight this one shares (one shared shard)."""
+    layouts: tuple[tuple[str, tuple[int, int] | None], ...] = ()
+    """Experts only: each of the module's tensors and its (dim, parts) over tp (None: whole,
+    counted on tp rank 0)."""
     summed: tuple[str, ...] = ()
-    """Replicate only, for a layer that runs inside a split pair on each rank's slice of the
-    activations: its parameters (names in the model), whose gradients are summed over tp."""
+    """Parameters (names in the model) whose gradients are summed over tp: a layer kept whole
+    that runs inside a split pair on each rank's slice of the activations, or an experts
+    module's whole bias counted on tp rank 0."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer": self.layer, "split": self.split, "reason": self.reason}
@@ -208,8 +212,8 @@ def _kept_whole(module: nn.Module) -> str:
         )
     if any(p.dim() == 3 for p in module.parameters(recurse=False)):
         return (
-            f"{type(module).__name__} holds 3-D weights (one matrix per expert): mixture-of-"
-            "experts weights are not split, every tp rank holds all of them"
+            f"{type(module).__name__} holds 3-D weights (one matrix per expert): kept whole on "
+            "every tp rank unless an example input proves a split of each expert's inner width"
         )
     return "norm or other layer kept whole"
 

@@ -1,0 +1,174 @@
+"""The operator split of experts modules (tensor/experts.py) equals one process, and each tp
+rank holds 1/tp of every expert.
+
+Every mixture-of-experts family of the suite (fused 3-D experts: gate|up in halves, GPT-OSS's
+adjacent pairs with biases, Llama 4's transposed weights) trains 3 SGD steps under tp2 against
+plain PyTorch on the global batch; a few also under tp4, with ep, with pp and with ZeRO 3; a
+checkpoint saved under tp2 resumes under dp2. A module whose split answers do not add up to
+its own stays whole, saying why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import meshsplit as ms
+from meshsplit.tensor import plan_splits
+
+transformers = pytest.importorskip("transformers")
+
+from test_experts import ATOL, BUILDERS, RTOL, _batches, _build, _expert_bytes, _single  # noqa: E402
+
+from hf_models import MOE  # noqa: E402
+from reference import OPTIMIZERS  # noqa: E402
+
+FUSED = [name for name in BUILDERS if name != "own_listed"] + list(MOE)
+"""Every model whose experts are fused 3-D weights (own_listed's are Linear layers, which
+the operator split takes as column/row pairs anyway)."""
+
+Case = tuple[str, dict[str, int]]
+
+
+def _train(cases: list[Case]) -> list[dict[str, Any]]:
+    results = []
+    for model, fields in cases:
+        engine = ms.parallelize(
+            _build(model), ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+        losses = [engine.train_step(x, y) for x, y in _batches()]
+        split = [d["name"] for d in engine.describe()["operator_split"] if d["split"] == "experts"]
+        results.append(
+            {
+                "losses": losses,
+                "state": engine.full_state_dict(),
+                "expert_bytes": _expert_bytes(engine.module),
+                "experts_split": split,
+            }
+        )
+        engine.close()
+    return results
+
+
+def _check(cases: list[Case], per_rank: list[list[dict[str, Any]]]) -> None:
+    for index, (model, fields) in enumerate(cases):
+        want_losses, want_state = _single(model)
+        whole = _expert_bytes(_build(model))
+        share = whole / fields.get("tp", 1) / fields.get("ep", 1) / fields.get("pp", 1)
+        for rank, results in enumerate(per_rank):
+            got = results[index]
+            where = f"{model} {ms.Plan(**fields).describe()} rank {rank}"
+            torch.testing.assert_close(
+                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
+                msg=lambda m, where=where: f"{where} losses: {m}",
+            )  # fmt: skip
+            for key, value in want_state.items():
+                torch.testing.assert_close(
+                    got["state"][key], value, rtol=RTOL, atol=ATOL,
+                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
+                )  # fmt: skip
+            assert got["experts_split"], f"{where}: no experts module split over tp"
+            assert got["expert_bytes"] <= 1.1 * share, f"{where}: {got['expert_bytes']} > {share}"
+
+
+@pytest.mark.timeout(600)
+def test_tp2_splits_every_familys_experts_and_matches_one_process() -> None:
+    cases: list[Case] = [(model, {"tp": 2}) for model in FUSED]
+    _check(cases, ms.launch(_train, 2, args=(cases,), timeout_s=400))
+
+
+@pytest.mark.timeout(600)
+def test_the_experts_split_composes_with_tp4_ep_pp_and_zero3() -> None:
+    plans = [
+        {"tp": 4},
+        {"dp": 2, "ep": 2, "tp": 2},
+        {"pp": 2, "tp": 2, "micro_batches": 2},
+        {"dp": 2, "tp": 2, "zero": 3},
+    ]
+    cases: list[Case] = [(m, p) for p in plans for m in ("mixtral", "gpt_oss", "llama4")]
+    _check(cases, ms.launch(_train, 4, args=(cases,), timeout_s=500))
+
+
+def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
+    """Two steps under tp2, saved (momentum included); the third after loading under dp2
+    and again under tp2."""
+    batches = _batches()
+
+    def engine(fields: dict[str, int]) -> ms.Engine:
+        return ms.parallelize(
+            _build(model), ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+
+    first = engine({"tp": 2})
+    for x, y in batches[:2]:
+        first.train_step(x, y)
+    first.save(directory)
+    first.close()
+    results = []
+    for fields in ({"dp": 2}, {"tp": 2}):
+        resumed = engine(fields)
+        resumed.load(directory)
+        loss = resumed.train_step(*batches[2])
+        results.append({"loss": loss, "state": resumed.full_state_dict()})
+        resumed.close()
+    return results
+
+
+@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
+def test_a_checkpoint_of_split_experts_resumes_under_another_plan(
+    tmp_path: Any, model: str
+) -> None:
+    want_losses, want_state = _single(model)
+    for per_plan in ms.launch(_resumed, 2, args=(str(tmp_path), model), timeout_s=300):
+        for got in per_plan:
+            assert got["loss"] == pytest.approx(want_losses[2], rel=RTOL)
+            for key, value in want_state.items():
+                torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL)
+
+
+class SquaredExperts(nn.Module):
+    """Fused experts whose answer is squared after the projection out: not a sum over the
+    inner width, so no split of it adds up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(4, 32, 16) * 0.2)
+        self.down = nn.Parameter(torch.randn(4, 16, 32) * 0.2)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(4):
+            token, slot = torch.where(top_k_index == expert)
+            h = (torch.relu(hidden_states[token] @ self.up[expert].T) @ self.down[expert].T) ** 2
+            out = out.index_add(0, token, h * top_k_weights[token, slot, None])
+        return out
+
+
+def test_layouts_are_proved_on_the_example_and_a_module_that_does_not_add_up_stays_whole() -> None:
+    x, _ = _batches()[0]
+    decided = {d.name: d for d in plan_splits(_build("gpt_oss"), 2, example=x)}
+    experts = decided["m.model.layers.0.mlp.experts"]
+    assert experts.split == "experts"
+    # GPT-OSS interleaves gate and up: its fused weight splits in blocks of adjacent pairs,
+    # its bias after the projection out stays whole and counts on rank 0, summed over tp
+    assert dict(experts.layouts)["gate_up_proj"] == (2, 1)
+    assert dict(experts.layouts)["down_proj_bias"] is None
+    assert experts.summed == ("m.model.layers.0.mlp.experts.down_proj_bias",)
+    mixtral = {d.name: d for d in plan_splits(_build("mixtral"), 2, example=x)}
+    assert dict(mixtral["m.model.layers.0.mlp.experts"].layouts)["gate_up_proj"] == (1, 2)
+
+    model = _build("own")
+    for block in model.blocks:
+        block.experts = SquaredExperts()
+    kept = {d.name: d for d in plan_splits(model, 2, example=x)}["blocks.0.experts"]
+    assert kept.split == "replicate"
+    assert "no split of its inner width adds up" in kept.reason
+    without_example = {d.name: d for d in plan_splits(_build("mixtral"), 2)}
+    assert without_example["m.model.layers.0.mlp.experts"].split == "replicate"
