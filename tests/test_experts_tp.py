@@ -172,3 +172,38 @@ def test_layouts_are_proved_on_the_example_and_a_module_that_does_not_add_up_sta
     assert "no split of its inner width adds up" in kept.reason
     without_example = {d.name: d for d in plan_splits(_build("mixtral"), 2)}
     assert without_example["m.model.layers.0.mlp.experts"].split == "replicate"
+
+
+def _built_in_parts(cases: list[Case]) -> list[dict[str, Any]]:
+    """Each model from its factory, each rank building only its part."""
+    results = []
+    for model, fields in cases:
+        torch.manual_seed(0)
+        engine = ms.parallelize(
+            BUILDERS[model], ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
+            loss_fn=ms.models.TokenCrossEntropy(),
+        )  # fmt: skip
+        engine.prepare(_batches()[0][0])
+        results.append(
+            {"state": engine.full_state_dict(), "expert_bytes": _expert_bytes(engine.module)}
+        )
+        engine.close()
+    return results
+
+
+def test_a_model_each_rank_builds_in_parts_splits_its_experts_under_ep_and_tp() -> None:
+    """A factory's experts are cut while the split holds them, then kept real: the values are
+    factory()'s bit for bit and each rank holds half (the expert split used to cut the meta
+    tensors, which could then not be built)."""
+    cases: list[Case] = [
+        (m, p) for m in ("mixtral", "gpt_oss") for p in ({"dp": 2, "ep": 2}, {"tp": 2})
+    ]
+    per_rank = ms.launch(_built_in_parts, 2, args=(cases,), timeout_s=300)
+    for index, (model, fields) in enumerate(cases):
+        torch.manual_seed(0)
+        whole = BUILDERS[model]()
+        for rank, results in enumerate(per_rank):
+            got = results[index]
+            for key, value in whole.state_dict().items():
+                assert torch.equal(got["state"][key], value), (model, fields, rank, key)
+            assert got["expert_bytes"] <= 0.55 * _expert_bytes(whole), (model, fields, rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import meshsplit as ms
@@ -100,3 +101,27 @@ def test_a_lone_layer_tp_cannot_divide_is_replicated_and_nothing_split_is_refuse
     assert _splits(model, 4) == {"0": "column", "1": "replicate", "2": "replicate"}
     with pytest.raises(ms.PlanError, match="splits no layer"):
         plan_splits(nn.Sequential(nn.Linear(8, 10)), 4)
+
+
+class PairWithoutGrad(nn.Module):
+    """A pair the forward runs under no_grad (Hugging Face's HRM runs its early cycles so, to
+    bound their memory), then a head that trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = x + self.down(torch.relu(self.up(x)))
+        return self.head(x)
+
+
+def test_a_pair_the_forward_runs_without_grad_is_still_split() -> None:
+    decisions = plan_splits(PairWithoutGrad(), 2, example=torch.randn(4, 16))
+    assert {d.name: d.split for d in decisions if d.name != "head"} == {
+        "up": "column",
+        "down": "row",
+    }

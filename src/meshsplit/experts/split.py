@@ -13,7 +13,8 @@ expert dimension shrinks, so the unsplit state gathers back along dim 0.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,8 +154,12 @@ def split_experts(
     paths: list[str],
     group: dist.ProcessGroup,
     capacity_factor: float | None,
+    realize: Callable[[nn.Module], AbstractContextManager[None]] = lambda _: nullcontext(),
 ) -> list[ExpertSplit]:
-    """Keep this ep rank's experts of each module in `paths`, in place (every ep rank calls)."""
+    """Keep this ep rank's experts of each module in `paths`, in place (every ep rank calls).
+
+    `realize(module)` holds a module's own weights while its experts are cut from them (a
+    model each rank builds in parts keeps them on the meta device otherwise)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     splits = []
     for path in paths:
@@ -178,11 +183,15 @@ def split_experts(
         if listed is not None:  # others' experts become empty places: names stay global
             whole = getattr(module, listed)
             setattr(module, listed, nn.ModuleList(_mine_or_empty(whole, mine)))
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() >= 1 and param.shape[0] == experts:
-                kept = nn.Parameter(param.detach()[mine].clone(), param.requires_grad)
-                setattr(module, name, kept)
-                names.append(name)
+        with realize(module):
+            kept = {
+                name: nn.Parameter(param.detach()[mine].clone(), param.requires_grad)
+                for name, param in module.named_parameters(recurse=False)
+                if param.dim() >= 1 and param.shape[0] == experts
+            }
+        for name, param in kept.items():  # after: what realize gives back goes to meta again
+            setattr(module, name, param)
+            names.append(name)
         if listed is None and getattr(module, "num_experts", None) == experts:
             setattr(module, "num_experts", per_rank)  # noqa: B010 (the module's own forward reads it)
         for name, value in (

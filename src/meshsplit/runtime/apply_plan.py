@@ -121,7 +121,9 @@ def apply_plan(
         if plan.ep > 1:
             groups = expert_groups(mesh, plan.ep)
             found = find_experts(model, plan.ep_plan)
-            experts = split_experts(model, found, groups.ep, plan.capacity_factor)
+            experts = split_experts(
+                model, found, groups.ep, plan.capacity_factor, realize=lazy_model.realize
+            )
         # What each block saves, measured on the whole model before the layer split cuts it
         # (recompute='auto' chooses from it in step 7).
         with precision.autocast():  # what each block saves under the plan's precision

@@ -53,7 +53,8 @@ def what_enters(
 
     def column(name: str, module: nn.Module) -> list[Callable[[], Any]]:
         def before(*_: Any) -> None:
-            starts.setdefault(name, _node(anchor * 1)._sequence_nr())
+            with torch.enable_grad():  # a model may run a layer under no_grad (HRM's cycles)
+                starts.setdefault(name, _node(anchor * 1)._sequence_nr())
 
         def after(_: nn.Module, __: Any, output: Any) -> None:
             made.update(t.grad_fn for t in _tensors(output) if t.grad_fn is not None)

@@ -210,15 +210,19 @@ def _floating(value: Any) -> bool:
 def split_experts_module(
     module: nn.Module, layouts: Mapping[str, Layout], group: dist.ProcessGroup
 ) -> nn.Module:
-    """Split `module` in place over the tp `group` as `layouts` says (every tp rank calls)."""
+    """`module` split over the tp `group` as `layouts` says (every tp rank calls): a new
+    module object of a subclass of its class, holding this rank's shards (the original is left
+    as it was: a lazily built model's goes back to meta when the split has read it)."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    cls = type(module)
+    module = copy.copy(module)  # hooks stay shared: the lazy split's lending ones go from both
+    module._parameters = dict(module._parameters)
     for name, layout in layouts.items():
         if layout is not None:
             whole = module._parameters[name]
             assert whole is not None
             shard = local_shard(whole.detach(), *layout, rank, tp).clone()
             module._parameters[name] = nn.Parameter(shard, requires_grad=whole.requires_grad)
-    cls = type(module)
 
     @functools.wraps(cls.forward)  # its signature too: the expert split reads the call's names
     def forward(self: ExpertTensorParallel, *args: Any, **kwargs: Any) -> torch.Tensor:
