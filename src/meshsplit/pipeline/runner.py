@@ -105,9 +105,12 @@ class PipelineRunner:
         self._state = self._cuts.local_state(self.index)
 
     def train(self, mode: bool) -> None:
-        """Training or eval mode for the whole model: code between pieces runs here too."""
-        self.model.train(mode)
-        self.module.train(mode)
+        """Training or eval mode for the whole model (code between pieces runs here too),
+        switched when it differs: a walk over every module, each step otherwise (as the
+        one-stage runner)."""
+        for module in (self.model, self.module):
+            if module.training != mode:
+                module.train(mode)
 
     def backward_passes(self) -> int:
         """Each local parameter gets one backward pass per micro-batch (its W under
