@@ -186,3 +186,21 @@ def test_a_model_whose_blocks_cannot_be_cut_falls_back_to_the_traced_front_end()
     cuts = find_cuts(model, torch.randint(0, 16, (4, 5)), ms.Plan(pp=2), agree=list)
     assert cuts.source == "fx"
     assert cuts.names == ("emb", "blocks.0", "blocks.1", "blocks.2", "head")
+
+
+class DropsLayers(LoopsOverBlocks):
+    """LayerDrop (Hugging Face's M2M100, Whisper, wav2vec 2.0, ...): blocks skipped at random
+    while training, as the module's `layerdrop` rate says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layerdrop = 0.05
+
+
+def test_a_model_that_drops_layers_at_random_is_refused_with_the_setting_to_change() -> None:
+    x = torch.randint(0, 16, (4, 5))
+    with pytest.raises(ms.PlanError, match=r"layerdrop=0.05.*set it to 0"):
+        find_cuts(DropsLayers(), x, ms.Plan(pp=2), agree=list)
+    model = DropsLayers()
+    model.layerdrop = 0.0
+    assert find_cuts(model, x, ms.Plan(pp=2), agree=list).source.startswith("blocks")

@@ -130,6 +130,21 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
     )
 
 
+def refuse_layer_drop(model: nn.Module) -> None:
+    """A model that skips blocks at random while training (LayerDrop: a module's `layerdrop`
+    rate, Hugging Face's and fairseq's spelling) cannot be cut into fixed stages: a stage whose
+    first block is skipped would lose what the stage before sent."""
+    for name, module in model.named_modules():
+        rate = getattr(module, "layerdrop", 0)
+        if isinstance(rate, float | int) and not isinstance(rate, bool) and rate > 0:
+            raise PlanError(
+                f"'{name or type(model).__name__}' drops its blocks at random while training "
+                f"(layerdrop={rate}), but the layer split fixes each stage's blocks; set it to "
+                "0 (Hugging Face: config.encoder_layerdrop=0.0, config.decoder_layerdrop=0.0, "
+                "or config.layerdrop=0.0), or use pp=1"
+            )
+
+
 def has_nested_blocks(model: nn.Module) -> bool:
     """Whether the model keeps a block list below its top level (the block front end's case)."""
     return any(name != "" for name in _block_lists(model, dict(model.named_modules())))

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshsplit.pipeline.blocks import Piece, find_blocks, has_nested_blocks, sizes_at
+from meshsplit.pipeline.blocks import (
+    Piece,
+    find_blocks,
+    has_nested_blocks,
+    refuse_layer_drop,
+    sizes_at,
+)
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.partition import balance, check_split, split_words
 from meshsplit.pipeline.profile import LayerCost, profile_layers
@@ -161,6 +167,7 @@ def _by_model_name(module: nn.Module) -> dict[str, torch.Tensor]:
 def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
     """Cut `model` into plan.pp stages, or pp*virtual_stages chunks when interleaved (every
     rank must call this: `agree` is a collective)."""
+    refuse_layer_drop(model)
     blocks_error: PlanError | None = None
     if plan.split_points is not None or has_nested_blocks(model):
         try:
