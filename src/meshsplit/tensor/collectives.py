@@ -17,6 +17,7 @@ Rationale: docs/internals.md#tensorcollectivespy
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -127,6 +128,27 @@ class _CopyToTP(torch.autograd.Function):
         return all_reduce_fresh(grad, ctx.group), None
 
 
+class _CopyAllToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, group: dist.ProcessGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        present = [g for g in grads if g is not None]
+        if len({g.dtype for g in present}) > 1:  # one all-reduce per dtype is not worth it
+            return (None, *(None if g is None else all_reduce_fresh(g, ctx.group) for g in grads))
+        if not present:
+            return (None, *grads)
+        summed = iter(
+            all_reduce_fresh(torch.cat([g.reshape(-1) for g in present]), ctx.group).split(
+                [g.numel() for g in present]
+            )
+        )
+        return (None, *(None if g is None else next(summed).view_as(g) for g in grads))
+
+
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -166,6 +188,14 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     replicated x is their sum.
     """
     return _CopyToTP.apply(x, group)
+
+
+def copy_all_to_tp(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[torch.Tensor, ...]:
+    """`copy_to_tp` of several tensors that enter one split region together (an experts
+    module's tokens and routing weights): their gradients summed by one all-reduce."""
+    return _CopyAllToTP.apply(group, *xs)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import call_model
-from meshsplit.tensor.collectives import copy_to_tp, reduce_from_tp
+from meshsplit.tensor.collectives import copy_all_to_tp, reduce_from_tp
 from meshsplit.tensor.dataflow import Realize, hooked, quietly
 from meshsplit.tensor.shards import ParallelLayer, local_shard
 from meshsplit.tensor.units import Decision
@@ -189,8 +189,12 @@ class ExpertTensorParallel(ParallelLayer):
         return {name: lay for name, lay in self.layouts.items() if lay is not None}
 
     def split_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        enter = lambda t: copy_to_tp(t, self.group) if _floating(t) else t  # noqa: E731
-        args, kwargs = pytree.tree_map(enter, (args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        floating = [k for k, leaf in enumerate(leaves) if _floating(leaf)]
+        entered = copy_all_to_tp([leaves[k] for k in floating], self.group)
+        for k, value in zip(floating, entered, strict=True):
+            leaves[k] = value
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
         saved: dict[str, Any] = {}
         if dist.get_rank(self.group) != 0:  # whole biases count once: zero here, in the graph
             for name in (n for n, lay in self.layouts.items() if lay is None):
