@@ -10,18 +10,32 @@ its own stays whole, saying why.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import meshsplit as ms
 from meshsplit.tensor import plan_splits
+from meshsplit.tensor.dataflow import as_it_is
+from meshsplit.tensor.experts import prove, split_experts_module
 
 transformers = pytest.importorskip("transformers")
 
-from test_experts import ATOL, BUILDERS, RTOL, _batches, _build, _expert_bytes, _single  # noqa: E402
+from test_experts import (  # noqa: E402
+    ATOL,
+    BUILDERS,
+    RTOL,
+    FusedExperts,
+    _batches,
+    _build,
+    _expert_bytes,
+    _single,
+)
 
 from hf_models import MOE  # noqa: E402
 from reference import OPTIMIZERS  # noqa: E402
@@ -207,3 +221,41 @@ def test_a_model_each_rank_builds_in_parts_splits_its_experts_under_ep_and_tp() 
             for key, value in whole.state_dict().items():
                 assert torch.equal(got["state"][key], value), (model, fields, rank, key)
             assert got["expert_bytes"] <= 0.55 * _expert_bytes(whole), (model, fields, rank)
+
+
+def _one_module_split() -> dict[str, Any]:
+    """A FusedExperts module split over tp2 against itself whole: answers, the gradients of
+    its tokens and routing weights, and the all-reduces one forward and backward ran."""
+    torch.manual_seed(0)
+    whole = FusedExperts(4, 16, 32)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randn(10, 16, generator=g)
+    weights, index = torch.softmax(torch.randn(10, 4, generator=g), -1).topk(2, dim=-1)
+    layouts = prove(whole, ((tokens, index, weights), {}), 2, as_it_is)
+    assert not isinstance(layouts, str), layouts
+    split = split_experts_module(copy.deepcopy(whole), layouts.layouts, dist.group.WORLD)
+    upstream = torch.randn(10, 16, generator=g)
+    calls = [0]
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    results = {}
+    for name, module in (("whole", whole), ("split", split)):
+        x, w = tokens.clone().requires_grad_(), weights.clone().requires_grad_()
+        calls[0] = 0
+        with mock.patch.object(dist, "all_reduce", counted):
+            out = module(x, index, w)
+            (out * upstream).sum().backward()
+        results[name] = {"out": out.detach(), "x": x.grad, "w": w.grad, "calls": calls[0]}
+    return results
+
+
+def test_a_split_experts_module_sums_over_tp_with_one_all_reduce_each_way() -> None:
+    for got in ms.launch(_one_module_split, 2, timeout_s=60):
+        whole, split = got["whole"], got["split"]
+        for key in ("out", "x", "w"):
+            torch.testing.assert_close(split[key], whole[key], rtol=1e-5, atol=1e-5)
+        assert (whole["calls"], split["calls"]) == (0, 2)
