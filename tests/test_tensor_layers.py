@@ -121,6 +121,11 @@ def _check_layers() -> dict[str, str]:
         dims = tensor.shard_dims(split_module)
         try:
             assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
+            if isinstance(plain, nn.Conv2d):  # code outside reads it (MobileNetV2's TF padding)
+                geometry = ("stride", "padding", "dilation", "kernel_size", "groups")
+                for attribute in geometry:
+                    mine, theirs = getattr(split_module, attribute), getattr(plain, attribute)
+                    assert mine == theirs, f"{attribute}: {mine} != {theirs}"
             for key, value in want.items():
                 param = key.removeprefix("grad ")
                 if param in dims:

@@ -235,7 +235,18 @@ def _conv_options(conv: nn.Conv2d) -> dict[str, Any]:
     return {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
 
 
-class ColumnParallelConv2d(ParallelLayer):
+class _ConvGeometry:
+    """Conv2d's geometry, for code outside the layer that reads it (MobileNetV2's TF padding)."""
+
+    options: dict[str, Any]
+    groups, padding_mode = 1, "zeros"
+    stride = property(lambda self: self.options["stride"])
+    padding = property(lambda self: self.options["padding"])
+    dilation = property(lambda self: self.options["dilation"])
+    kernel_size = property(lambda self: tuple(self.weight.shape[2:]))
+
+
+class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
     """Conv2d split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
 
     Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp).
@@ -285,7 +296,7 @@ class ColumnParallelConv2d(ParallelLayer):
         return f"{n_in}->{out}x{self.tp}, kernel={tuple(kernel)}, gather={self.gather_output}"
 
 
-class RowParallelConv2d(ParallelLayer):
+class RowParallelConv2d(_ConvGeometry, ParallelLayer):
     """Conv2d split by input channels: Y = sum_i conv(X_i, W_i), then + b.
 
     Convolution is linear in its input channels, so each rank convolves its block of channels
