@@ -11,6 +11,7 @@ fused one is laid out is read from the shapes and proved on the module's own inp
 example: the tp shards' answers must add up to the module's, or it stays whole. A bias added
 after the projection out (GPT-OSS's) stays whole, counts on tp rank 0 only (zero elsewhere)
 and has its gradient summed over tp.
+Rationale: docs/internals.md#tensorexpertspy
 """
 
 from __future__ import annotations
