@@ -29,7 +29,7 @@ from reference import OPTIMIZERS
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import FACTORIES, KINDS  # noqa: E402
+from hf_models import FACTORIES, KINDS, MORE  # noqa: E402
 
 LOSS_RTOL, PARAM_SHARE = 2e-2, 2e-2
 BATCH, STEPS = 16, 4
@@ -61,7 +61,7 @@ def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     if model == "transformer":
         return ms.models.transformer(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=8)
-    return FACTORIES[model]()
+    return (FACTORIES | MORE)[model]()
 
 
 def _batches(model: str = "transformer") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -185,6 +185,7 @@ TWO = [
     *[(m, {"tp": 2}, "bf16-mixed", 1.0) for m in HF],
     *[(m, {"pp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in HF],
     *[(m, {"dp": 2, "zero": 3}, "bf16-mixed", 1.0) for m in HF],
+    ("mixtral", {"tp": 2}, "bf16-mixed", 1.0),  # every expert split by its inner width
 ]
 FOUR = [
     ("transformer", {"pp": 2, "tp": 2, "micro_batches": 2}, "bf16-mixed", 1.0),
