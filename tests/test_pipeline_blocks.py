@@ -204,3 +204,35 @@ def test_a_model_that_drops_layers_at_random_is_refused_with_the_setting_to_chan
     model = DropsLayers()
     model.layerdrop = 0.0
     assert find_cuts(model, x, ms.Plan(pp=2), agree=list).source.startswith("blocks")
+
+
+class PadsWithItsEmbedding(nn.Module):
+    """Embeds its padding with a second call of the embedding, in another shape (Hugging
+    Face's LED pads its input to the attention window so), then adds positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.pos = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        padding = self.emb(ids.new_zeros(ids.shape[0], 3))
+        x = torch.cat([self.emb(ids), padding], 1) + self.pos(torch.arange(length + 3))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x[:, :length])
+
+
+def test_a_piece_called_in_two_shapes_stands_in_with_each_calls_shape() -> None:
+    """A later stage's stand-ins for the embedding take each call's shape: one taken from
+    the first call would not concatenate to the positions' length."""
+    torch.manual_seed(0)
+    model, x = PadsWithItsEmbedding().eval(), torch.randint(0, 16, (4, 5))
+    blocks = find_blocks(model, x)
+    assert [p.name for p in blocks.pieces] == ["emb", "pos", "blocks.0", "blocks.1", "head"]
+    spine = Spine(model, blocks.pieces)
+    assert cut_positions(spine, x) == [2, 3, 4]
+    check_chain(spine, (2, 3), x)

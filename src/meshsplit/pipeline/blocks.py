@@ -71,7 +71,9 @@ class Piece:
     """Bytes of the tensors it is called with: what a cut before it sends per micro-batch."""
     crossing: int
     """How many tensors it is called with (args and kwargs): the values a cut before it sends."""
-    placeholder: Placeholder
+    placeholders: tuple[Placeholder, ...]
+    """What each of its calls in one forward returned, in call order (a piece a loop calls
+    again, or one called on its input's padding too, may answer in other shapes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +124,7 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
                 parameter_bytes=sum(p.numel() * p.element_size() for p in named[name].parameters()),
                 crossing_bytes=sum(t.numel() * t.element_size() for t in record.inputs[name]),
                 crossing=len(record.inputs[name]),
-                placeholder=record.placeholders[name],
+                placeholders=tuple(record.placeholders[name]),
             )
             for name in order
         ),
@@ -221,7 +223,7 @@ class _Record:
     nested: dict[str, str]
     forward_ms: dict[str, float]
     inputs: dict[str, list[torch.Tensor]]
-    placeholders: dict[str, Placeholder]
+    placeholders: dict[str, list[Placeholder]]
 
 
 def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Record:
@@ -252,7 +254,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = name_of[id(module)]
         if sweep[0] == 0:
-            record.placeholders.setdefault(name, _placeholder(output, example_rows))
+            record.placeholders.setdefault(name, []).append(_placeholder(output, example_rows))
         else:  # a piece the forward calls several times (a loop) costs all its calls
             timings[name][sweep[0] - 1] += time.perf_counter() - started[name]
         active.pop()

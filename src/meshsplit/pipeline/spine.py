@@ -44,6 +44,8 @@ class Spine:
         self._received: list[torch.Tensor] = []
         self._swapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         """id of a tensor the stage's first piece was called with -> (it, its received value)."""
+        self._calls: dict[int, int] = {}
+        """Piece index -> its calls so far in this run, before the stage's first piece."""
         self._rows = 0
         self._device = torch.device("cpu")
         for index, piece in enumerate(self.pieces):
@@ -57,8 +59,10 @@ class Spine:
             if spine._range is None:
                 return original(*args, **kwargs)
             first, stop = spine._range
-            if index < first:
-                return piece.placeholder.make(spine._rows, spine._device)
+            if index < first:  # what this call of the piece answered on the example
+                call = spine._calls[index] = spine._calls.get(index, -1) + 1
+                made = piece.placeholders[min(call, len(piece.placeholders) - 1)]
+                return made.make(spine._rows, spine._device)
             if index == first and first > 0 and not spine._swapped:  # its first call only
                 args, kwargs = spine._substitute(piece, (args, kwargs))
             elif spine._swapped:
@@ -111,7 +115,7 @@ class Spine:
         except _Cut as cut:
             return tuple(cut.values)
         finally:
-            self._range, self._received, self._swapped = None, [], {}
+            self._range, self._received, self._swapped, self._calls = None, [], {}, {}
         if stop < len(self.pieces):
             raise PlanError(
                 f"the forward of {type(self.model).__name__} did not call "
