@@ -442,3 +442,13 @@ def test_layers_kept_whole_say_why() -> None:
         decisions = plan_splits(hf_models.MORE[name](), 2, example=example)
         kept = [d for d in decisions if d.name.endswith(layer)]
         assert kept and all(d.split == "replicate" and reason in d.reason for d in kept), name
+
+
+def test_an_embedding_that_scales_its_rows_splits_by_vocabulary() -> None:
+    """Gemma 3 multiplies the rows it looks up by sqrt(hidden) (an embed_scale buffer): the
+    vocabulary split does the same after its sum, so the embedding and its tied head split;
+    tests/test_hf_models.py trains it under pp2 x tp2 against one process."""
+    torch.manual_seed(0)
+    decisions = {d.name: d for d in plan_splits(hf_models.MORE["gemma3"](), 2)}
+    assert decisions["m.model.embed_tokens"].split == "vocab"
+    assert decisions["m.lm_head"].split == "column" and decisions["m.lm_head"].tied

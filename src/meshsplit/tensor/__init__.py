@@ -9,12 +9,11 @@ Given `example=` (one model input), pairs are found through the model's data flo
 from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
 from meshsplit.tensor.gradient_sum import TpGradientSum
 from meshsplit.tensor.layers import (
-    ColumnParallelConv2d,
     ColumnParallelLinear,
     ParallelLayer,
-    RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
 )

@@ -3,7 +3,8 @@
 `from_module(module, group, ...)` slices the original's weights, so the split model starts from
 the unsplit one's parameters under the same names; `shard_dims` says which are split along
 which dim. A column layer feeding a row layer (Megatron) needs one all-reduce in forward and
-one in backward. Attention split by heads lives in `attention.py`.
+one in backward. Attention split by heads lives in `attention.py`, convolutions in
+`conv2d.py` and `conv1d.py`.
 Rationale: docs/internals.md#tensorlayerspy
 """
 
@@ -32,8 +33,6 @@ __all__ = [
     "ParallelLayer",
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "ColumnParallelConv2d",
-    "RowParallelConv2d",
     "VocabParallelEmbedding",
 ]
 
@@ -67,6 +66,15 @@ def leave_gather(layer: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 for _crossing in (enter_copy, enter_slice, leave_sum, leave_gather):
     torch.fx.wrap(_crossing.__name__)
+
+
+def embedding_scale(module: nn.Module, dtype: torch.dtype) -> Any:
+    """What an Embedding subclass multiplies the rows it looks up by: its `embed_scale`
+    (Gemma's, M2M100's, BART's with scale_embedding) when it has one, else 1."""
+    scale = getattr(module, "embed_scale", 1.0)
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale.to(dtype)
+    return scale if isinstance(scale, float | int) and not isinstance(scale, bool) else 1.0
 
 
 def tp_group(mesh_or_group: Mesh | dist.ProcessGroup) -> dist.ProcessGroup:
@@ -225,134 +233,6 @@ class RowParallelLinear(ParallelLayer):
         return f"in={n_in}x{self.tp}, out={out}, scatter_input={self.scatter_input}"
 
 
-def _conv_options(conv: nn.Conv2d) -> dict[str, Any]:
-    """The geometry F.conv2d needs; refuses what a channel split cannot keep exact."""
-    if conv.groups != 1 or conv.padding_mode != "zeros":
-        raise PlanError(
-            f"Conv2d with groups={conv.groups}, padding_mode={conv.padding_mode!r} cannot be "
-            "split by channels; replicate it (tp_plan={'<name>': 'replicate'})"
-        )
-    return {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
-
-
-class _ConvGeometry:
-    """Conv2d's geometry, for code outside the layer that reads it (MobileNetV2's TF padding)."""
-
-    options: dict[str, Any]
-    groups, padding_mode = 1, "zeros"
-    stride = property(lambda self: self.options["stride"])
-    padding = property(lambda self: self.options["padding"])
-    dilation = property(lambda self: self.options["dilation"])
-    kernel_size = property(lambda self: tuple(self.weight.shape[2:]))
-
-
-class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
-    """Conv2d split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
-
-    Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp).
-    Output: channels split along dim 1, or whole when `gather_output` (forward: all-gather;
-    backward: own slice).
-    """
-
-    shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
-
-    def __init__(
-        self,
-        *,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        group: dist.ProcessGroup,
-        options: dict[str, Any],
-        gather_output: bool,
-    ) -> None:
-        super().__init__(group)
-        self.weight = weight
-        self.bias = bias
-        self.options = options
-        self.gather_output = gather_output
-
-    @classmethod
-    def from_module(
-        cls,
-        conv: nn.Conv2d,
-        mesh_or_group: Mesh | dist.ProcessGroup,
-        *,
-        gather_output: bool = False,
-    ) -> ColumnParallelConv2d:
-        group = tp_group(mesh_or_group)
-        options = _conv_options(conv)
-        weight = shard_param(conv.weight, 0, group, layer=conv, what="out_channels")
-        bias = None if conv.bias is None else shard_param(conv.bias, 0, group, layer=conv, what="")
-        return cls(
-            weight=weight, bias=bias, group=group, options=options, gather_output=gather_output
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.conv2d(enter_copy(self, x), self.weight, self.bias, **self.options)
-        return leave_gather(self, y, 1) if self.gather_output else y
-
-    def extra_repr(self) -> str:
-        out, n_in, *kernel = self.weight.shape
-        return f"{n_in}->{out}x{self.tp}, kernel={tuple(kernel)}, gather={self.gather_output}"
-
-
-class RowParallelConv2d(_ConvGeometry, ParallelLayer):
-    """Conv2d split by input channels: Y = sum_i conv(X_i, W_i), then + b.
-
-    Convolution is linear in its input channels, so each rank convolves its block of channels
-    with its block of W's input channels and the partial maps add up to the whole.
-    Input: X_i (channels split along dim 1), or replicated X sliced here when `scatter_input`
-    (forward: slice; backward: all-gather). Output: the sum over tp (forward: all-reduce;
-    backward: identity), then the replicated bias.
-    """
-
-    shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
-
-    def __init__(
-        self,
-        *,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        group: dist.ProcessGroup,
-        options: dict[str, Any],
-        scatter_input: bool,
-    ) -> None:
-        super().__init__(group)
-        self.weight = weight
-        self.bias = bias
-        self.options = options
-        self.scatter_input = scatter_input
-
-    @classmethod
-    def from_module(
-        cls,
-        conv: nn.Conv2d,
-        mesh_or_group: Mesh | dist.ProcessGroup,
-        *,
-        scatter_input: bool = False,
-    ) -> RowParallelConv2d:
-        group = tp_group(mesh_or_group)
-        options = _conv_options(conv)
-        weight = shard_param(conv.weight, 1, group, layer=conv, what="in_channels")
-        return cls(
-            weight=weight,
-            bias=copy_param(conv.bias),
-            group=group,
-            options=options,
-            scatter_input=scatter_input,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scatter_input:
-            x = enter_slice(self, x, 1)
-        y = leave_sum(self, F.conv2d(x, self.weight, None, **self.options))
-        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
-
-    def extra_repr(self) -> str:
-        out, n_in, *kernel = self.weight.shape
-        return f"{n_in}x{self.tp}->{out}, kernel={tuple(kernel)}, scatter={self.scatter_input}"
-
-
 class VocabParallelEmbedding(ParallelLayer):
     """E[ids] with E's rows (the vocabulary) split: rank i holds rows [i·V/tp, (i+1)·V/tp).
 
@@ -365,10 +245,17 @@ class VocabParallelEmbedding(ParallelLayer):
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
 
     def __init__(
-        self, *, weight: nn.Parameter, group: dist.ProcessGroup, padding_idx: int | None = None
+        self,
+        *,
+        weight: nn.Parameter,
+        group: dist.ProcessGroup,
+        padding_idx: int | None = None,
+        scale: Any = 1.0,
     ) -> None:
         super().__init__(group)
         self.weight = weight
+        self.scale = scale
+        """What the rows looked up are multiplied by (an Embedding subclass's embed_scale)."""
         self.vocab_start = dist.get_rank(group) * weight.shape[0]
         local = None if padding_idx is None else padding_idx - self.vocab_start
         self.padding_idx = local if local is not None and 0 <= local < weight.shape[0] else None
@@ -385,13 +272,17 @@ class VocabParallelEmbedding(ParallelLayer):
                 "be split by vocabulary; replicate it (tp_plan={'<name>': 'replicate'})"
             )
         weight = shard_param(embedding.weight, 0, group, layer=embedding, what="num_embeddings")
-        return cls(weight=weight, group=group, padding_idx=embedding.padding_idx)
+        scale = embedding_scale(embedding, embedding.weight.dtype)
+        return cls(weight=weight, group=group, padding_idx=embedding.padding_idx, scale=scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         owned = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(torch.where(owned, local, 0), self.weight, self.padding_idx)
-        return leave_sum(self, rows * owned.unsqueeze(-1).to(rows.dtype))
+        looked_up = leave_sum(self, rows * owned.unsqueeze(-1).to(rows.dtype))
+        if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
+            return looked_up * self.scale
+        return looked_up
 
     def extra_repr(self) -> str:
         rows, dim = self.weight.shape

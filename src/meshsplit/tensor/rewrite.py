@@ -22,14 +22,13 @@ from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import split_heads
 from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
+from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.experts import experts_decisions, split_experts_module
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.inside import summed_or_whole
 from meshsplit.tensor.layers import (
-    ColumnParallelConv2d,
     ColumnParallelLinear,
-    RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
     tp_group,

@@ -5,7 +5,8 @@ Embedding, or an attention module (Linear children q, k, v, out and an int `n_he
 subclass that brings its own forward (OPT's learned positional embedding offsets its ids) is
 not a unit: a parallel layer would drop that behaviour, so it is kept whole; unless it holds
 only the base's tensors and gives the base's output on a probe (Falcon's `FalconLinear`
-spells out `x @ W.T + b`), then it is the base written another way. Layers that share
+spells out `x @ W.T + b`; an Embedding that multiplies its rows by an `embed_scale`, as
+Gemma's and M2M100's do), then it is the base written another way. Layers that share
 a parameter are units only as an Embedding tied to an output Linear (GPT-2's wte/lm_head),
 split once along the vocabulary; any other sharing is kept whole.
 """
@@ -24,6 +25,7 @@ from meshsplit.memory.lazy_model import LENDS_VALUES
 from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import HeadParallelAttention
 from meshsplit.tensor.conv1d import is_conv1d
+from meshsplit.tensor.layers import embedding_scale
 from meshsplit.tensor.shards import ParallelLayer
 
 __all__: list[str] = []
@@ -132,7 +134,8 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     names = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
     hooked = any(not getattr(hook, LENDS_VALUES, False) for hook in hooks)
-    if names - {"weight", "bias"} or hooked:
+    scale = {"embed_scale"} & module._non_persistent_buffers_set  # in no state dict
+    if names - {"weight", "bias"} - scale or hooked:
         return False
     if not isinstance(getattr(module, "weight", None), torch.Tensor):
         return False
@@ -155,6 +158,8 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
             for mode in (True, False):
                 module.train(mode)
                 own, plain = module(x), base.forward(module, x)
+                if isinstance(module, nn.Embedding):
+                    plain = plain * embedding_scale(module, plain.dtype)
                 if not (isinstance(own, torch.Tensor) and own.shape == plain.shape):
                     return False
                 if not torch.allclose(own, plain, rtol=1e-5, atol=1e-6):

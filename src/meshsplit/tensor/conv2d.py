@@ -1,0 +1,152 @@
+"""Parallel Conv2d layers: a convolution split by output channels (column) or by input
+channels (row), Megatron's pair carried over to convolutions, which PyTorch's own tensor
+parallel does not split. Rationale: docs/internals.md#tensorlayerspy
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshsplit.mesh import Mesh
+from meshsplit.plan import PlanError
+from meshsplit.tensor import layers
+from meshsplit.tensor.shards import ParallelLayer
+
+__all__ = ["ColumnParallelConv2d", "RowParallelConv2d"]
+
+
+def _conv_options(conv: nn.Conv2d) -> dict[str, Any]:
+    """The geometry F.conv2d needs; refuses what a channel split cannot keep exact."""
+    if conv.groups != 1 or conv.padding_mode != "zeros":
+        raise PlanError(
+            f"Conv2d with groups={conv.groups}, padding_mode={conv.padding_mode!r} cannot be "
+            "split by channels; replicate it (tp_plan={'<name>': 'replicate'})"
+        )
+    return {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
+
+
+class _ConvGeometry:
+    """Conv2d's geometry, for code outside the layer that reads it (MobileNetV2's TF padding)."""
+
+    options: dict[str, Any]
+    groups, padding_mode = 1, "zeros"
+    stride = property(lambda self: self.options["stride"])
+    padding = property(lambda self: self.options["padding"])
+    dilation = property(lambda self: self.options["dilation"])
+    kernel_size = property(lambda self: tuple(self.weight.shape[2:]))
+
+
+class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
+    """Conv2d split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
+
+    Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp).
+    Output: channels split along dim 1, or whole when `gather_output` (forward: all-gather;
+    backward: own slice).
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        options: dict[str, Any],
+        gather_output: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.options = options
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_module(
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        gather_output: bool = False,
+    ) -> ColumnParallelConv2d:
+        group = layers.tp_group(mesh_or_group)
+        options = _conv_options(conv)
+        weight = layers.shard_param(conv.weight, 0, group, layer=conv, what="out_channels")
+        bias = (
+            None
+            if conv.bias is None
+            else layers.shard_param(conv.bias, 0, group, layer=conv, what="")
+        )
+        return cls(
+            weight=weight, bias=bias, group=group, options=options, gather_output=gather_output
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.conv2d(layers.enter_copy(self, x), self.weight, self.bias, **self.options)
+        return layers.leave_gather(self, y, 1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        out, n_in, *kernel = self.weight.shape
+        return f"{n_in}->{out}x{self.tp}, kernel={tuple(kernel)}, gather={self.gather_output}"
+
+
+class RowParallelConv2d(_ConvGeometry, ParallelLayer):
+    """Conv2d split by input channels: Y = sum_i conv(X_i, W_i), then + b.
+
+    Convolution is linear in its input channels, so each rank convolves its block of channels
+    with its block of W's input channels and the partial maps add up to the whole.
+    Input: X_i (channels split along dim 1), or replicated X sliced here when `scatter_input`
+    (forward: slice; backward: all-gather). Output: the sum over tp (forward: all-reduce;
+    backward: identity), then the replicated bias.
+    """
+
+    shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
+
+    def __init__(
+        self,
+        *,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: dist.ProcessGroup,
+        options: dict[str, Any],
+        scatter_input: bool,
+    ) -> None:
+        super().__init__(group)
+        self.weight = weight
+        self.bias = bias
+        self.options = options
+        self.scatter_input = scatter_input
+
+    @classmethod
+    def from_module(
+        cls,
+        conv: nn.Conv2d,
+        mesh_or_group: Mesh | dist.ProcessGroup,
+        *,
+        scatter_input: bool = False,
+    ) -> RowParallelConv2d:
+        group = layers.tp_group(mesh_or_group)
+        options = _conv_options(conv)
+        weight = layers.shard_param(conv.weight, 1, group, layer=conv, what="in_channels")
+        return cls(
+            weight=weight,
+            bias=layers.copy_param(conv.bias),
+            group=group,
+            options=options,
+            scatter_input=scatter_input,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scatter_input:
+            x = layers.enter_slice(self, x, 1)
+        y = layers.leave_sum(self, F.conv2d(x, self.weight, None, **self.options))
+        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        out, n_in, *kernel = self.weight.shape
+        return f"{n_in}x{self.tp}->{out}, kernel={tuple(kernel)}, scatter={self.scatter_input}"
