@@ -65,6 +65,23 @@ class TokenMixing(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+class LoopsOverBlocks(nn.Module):
+    """A recurrent-depth model (as Hugging Face's Dory): blocks 1 and 2 run twice in a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](self.emb(ids)))
+        for _ in range(2):
+            for block in self.blocks[1:3]:
+                x = torch.tanh(block(x))
+        return self.head(torch.tanh(self.blocks[3](x)))
+
+
 def token_mixing() -> nn.Sequential:
     """The token mixer of the memory checks: embedding 256 x 128, four blocks, a head."""
     blocks = [(f"block{i}", TokenMixing()) for i in range(4)]

@@ -164,7 +164,7 @@ def _single(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 Case = tuple[str, dict[str, int]]
 
 
-def _train(cases: list[Case]) -> list[dict[str, Any]]:
+def train_cases(cases: list[Case]) -> list[dict[str, Any]]:
     results = []
     for model, fields in cases:
         engine = ms.parallelize(
@@ -173,12 +173,16 @@ def _train(cases: list[Case]) -> list[dict[str, Any]]:
         )  # fmt: skip
         losses = [engine.train_step(x, y) for x, y in _batches()]
         held = _expert_bytes(engine.module)
+        described = engine.describe()
         results.append(
             {
                 "losses": losses,
                 "state": engine.full_state_dict(),
                 "expert_bytes": held,
-                "split": engine.describe()["expert_split"],
+                "split": described["expert_split"],
+                "split_over_tp": [
+                    d["name"] for d in described["operator_split"] if d["split"] == "experts"
+                ],
                 "peak": engine.memory_report().tensor_peak_bytes,
             }
         )
@@ -186,23 +190,29 @@ def _train(cases: list[Case]) -> list[dict[str, Any]]:
     return results
 
 
+def assert_exact(got: dict[str, Any], want: tuple[list[float], dict[str, Any]], where: str) -> None:
+    """One rank's losses and whole state equal one process's."""
+    want_losses, want_state = want
+    torch.testing.assert_close(
+        torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
+        msg=lambda m: f"{where} losses: {m}",
+    )  # fmt: skip
+    assert got["state"].keys() == want_state.keys(), where
+    for key, value in want_state.items():
+        torch.testing.assert_close(
+            got["state"][key], value, rtol=RTOL, atol=ATOL,
+            msg=lambda m, key=key: f"{where} {key}: {m}",
+        )  # fmt: skip
+
+
 def _check(cases: list[Case], per_rank: list[list[dict[str, Any]]]) -> None:
     for index, (model, fields) in enumerate(cases):
-        want_losses, want_state = _single(model)
+        want = _single(model)
         whole = _expert_bytes(_build(model))
         for rank, results in enumerate(per_rank):
             got = results[index]
             where = f"{model} {ms.Plan(**fields).describe()} rank {rank}"
-            torch.testing.assert_close(
-                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
-                msg=lambda m, where=where: f"{where} losses: {m}",
-            )  # fmt: skip
-            assert got["state"].keys() == want_state.keys(), where
-            for key, value in want_state.items():
-                torch.testing.assert_close(
-                    got["state"][key], value, rtol=RTOL, atol=ATOL,
-                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
-                )  # fmt: skip
+            assert_exact(got, want, where)
             share = whole / fields["ep"] / fields.get("pp", 1)
             assert got["expert_bytes"] <= 1.05 * share, f"{where}: {got['expert_bytes']} > {share}"
             assert got["split"] and all(
@@ -224,7 +234,7 @@ FOUR: list[Case] = [
 
 @pytest.mark.timeout(600)
 def test_two_ranks_dividing_the_experts_match_one_process_and_the_estimate() -> None:
-    per_rank = ms.launch(_train, 2, args=(TWO,), timeout_s=300)
+    per_rank = ms.launch(train_cases, 2, args=(TWO,), timeout_s=300)
     _check(TWO, per_rank)
     for index, (model, fields) in enumerate(TWO):
         estimate = ms.estimate_memory(
@@ -239,12 +249,12 @@ def test_two_ranks_dividing_the_experts_match_one_process_and_the_estimate() -> 
 @pytest.mark.timeout(600)
 def test_every_other_moe_family_splits_its_experts_and_matches_one_process() -> None:
     cases: list[Case] = [(name, {"dp": 2, "ep": 2}) for name in MOE]
-    _check(cases, ms.launch(_train, 2, args=(cases,), timeout_s=400))
+    _check(cases, ms.launch(train_cases, 2, args=(cases,), timeout_s=400))
 
 
 @pytest.mark.timeout(900)
 def test_ep_inside_dp_with_tp_and_pp_matches_one_process() -> None:
-    _check(FOUR, ms.launch(_train, 4, args=(FOUR,), timeout_s=600))
+    _check(FOUR, ms.launch(train_cases, 4, args=(FOUR,), timeout_s=600))
 
 
 def test_plans_that_cannot_divide_the_experts_are_plan_errors() -> None:

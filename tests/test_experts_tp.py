@@ -30,11 +30,14 @@ from test_experts import (  # noqa: E402
     ATOL,
     BUILDERS,
     RTOL,
+    Case,
     FusedExperts,
     _batches,
     _build,
     _expert_bytes,
     _single,
+    assert_exact,
+    train_cases,
 )
 
 from hf_models import MOE  # noqa: E402
@@ -44,55 +47,24 @@ FUSED = [name for name in BUILDERS if name != "own_listed"] + list(MOE)
 """Every model whose experts are fused 3-D weights (own_listed's are Linear layers, which
 the operator split takes as column/row pairs anyway)."""
 
-Case = tuple[str, dict[str, int]]
-
-
-def _train(cases: list[Case]) -> list[dict[str, Any]]:
-    results = []
-    for model, fields in cases:
-        engine = ms.parallelize(
-            _build(model), ms.Plan(**fields), optimizer=OPTIMIZERS["sgd"],
-            loss_fn=ms.models.TokenCrossEntropy(),
-        )  # fmt: skip
-        losses = [engine.train_step(x, y) for x, y in _batches()]
-        split = [d["name"] for d in engine.describe()["operator_split"] if d["split"] == "experts"]
-        results.append(
-            {
-                "losses": losses,
-                "state": engine.full_state_dict(),
-                "expert_bytes": _expert_bytes(engine.module),
-                "experts_split": split,
-            }
-        )
-        engine.close()
-    return results
-
 
 def _check(cases: list[Case], per_rank: list[list[dict[str, Any]]]) -> None:
     for index, (model, fields) in enumerate(cases):
-        want_losses, want_state = _single(model)
+        want = _single(model)
         whole = _expert_bytes(_build(model))
         share = whole / fields.get("tp", 1) / fields.get("ep", 1) / fields.get("pp", 1)
         for rank, results in enumerate(per_rank):
             got = results[index]
             where = f"{model} {ms.Plan(**fields).describe()} rank {rank}"
-            torch.testing.assert_close(
-                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
-                msg=lambda m, where=where: f"{where} losses: {m}",
-            )  # fmt: skip
-            for key, value in want_state.items():
-                torch.testing.assert_close(
-                    got["state"][key], value, rtol=RTOL, atol=ATOL,
-                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
-                )  # fmt: skip
-            assert got["experts_split"], f"{where}: no experts module split over tp"
+            assert_exact(got, want, where)
+            assert got["split_over_tp"], f"{where}: no experts module split over tp"
             assert got["expert_bytes"] <= 1.1 * share, f"{where}: {got['expert_bytes']} > {share}"
 
 
 @pytest.mark.timeout(600)
 def test_tp2_splits_every_familys_experts_and_matches_one_process() -> None:
     cases: list[Case] = [(model, {"tp": 2}) for model in FUSED]
-    _check(cases, ms.launch(_train, 2, args=(cases,), timeout_s=400))
+    _check(cases, ms.launch(train_cases, 2, args=(cases,), timeout_s=400))
 
 
 @pytest.mark.timeout(600)
@@ -104,7 +76,7 @@ def test_the_experts_split_composes_with_tp4_ep_pp_and_zero3() -> None:
         {"dp": 2, "tp": 2, "zero": 3},
     ]
     cases: list[Case] = [(m, p) for p in plans for m in ("mixtral", "gpt_oss", "llama4")]
-    _check(cases, ms.launch(_train, 4, args=(cases,), timeout_s=500))
+    _check(cases, ms.launch(train_cases, 4, args=(cases,), timeout_s=500))
 
 
 def _resumed(directory: str, model: str) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
 transformers = pytest.importorskip("transformers")
 
 from hf_models import FACTORIES  # noqa: E402
+from reference import LoopsOverBlocks  # noqa: E402
 
 
 def _example(name: str) -> torch.Tensor:
@@ -110,23 +111,6 @@ def test_split_points_name_pieces_or_are_refused_with_the_choices() -> None:
         sizes_at(blocks.pieces, ["m.model.embed_tokens"])
     with pytest.raises(ms.PlanError, match="must name pp-1 = 1 module paths"):
         ms.Plan(pp=2, split_points=("a", "b"))
-
-
-class LoopsOverBlocks(nn.Module):
-    """A recurrent-depth model (as Hugging Face's Dory): blocks 1 and 2 run twice in a loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.blocks[0](self.emb(ids)))
-        for _ in range(2):
-            for block in self.blocks[1:3]:
-                x = torch.tanh(block(x))
-        return self.head(torch.tanh(self.blocks[3](x)))
 
 
 def test_a_loop_over_pieces_stays_on_one_stage() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 import meshsplit as ms
 from meshsplit.data_parallel.allreduce import GradientSync
 
-from reference import OPTIMIZERS, assert_matches, train_plainly
+from reference import OPTIMIZERS, LoopsOverBlocks, assert_matches, train_plainly
 
 CASES: list[dict[str, Any]] = [
     # chunks [0-2 | 3-5 | 6-8 | 9-10]: both uses of the shared layer on rank 0, chunks 0 and 2
@@ -101,7 +101,7 @@ def _looping() -> list[tuple[list[float], dict[str, torch.Tensor], list[list[str
     for case in LOOP_CASES:
         engine = ms.parallelize(
             _loop_model(), ms.Plan(**case), optimizer=OPTIMIZERS["sgd"],
-            loss_fn=nn.CrossEntropyLoss(),
+            loss_fn=ms.models.TokenCrossEntropy(),
         )  # fmt: skip
         losses = [engine.train_step(x, y) for x, y in _token_batches()]
         layers = [chunk["layers"] for chunk in engine.describe()["stages"]]
@@ -110,33 +110,15 @@ def _looping() -> list[tuple[list[float], dict[str, torch.Tensor], list[list[str
     return results
 
 
-class _Looping(nn.Module):
-    """Embedding, block 0, blocks 1-2 looped twice, block 3, head (Hugging Face's Dory's
-    shape, small)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.blocks[0](self.emb(ids)))
-        for _ in range(2):
-            for block in self.blocks[1:3]:
-                x = torch.tanh(block(x))
-        return self.head(torch.tanh(self.blocks[3](x))).flatten(1)
-
-
 def _loop_model() -> nn.Module:
     torch.manual_seed(0)
-    return _Looping()
+    return LoopsOverBlocks()
 
 
 def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randint(0, 16, (8, 1), generator=g), torch.randint(0, 16, (8,), generator=g))
+        (torch.randint(0, 16, (8, 5), generator=g), torch.randint(0, 16, (8, 5), generator=g))
         for _ in range(3)
     ]
 
@@ -144,7 +126,10 @@ def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_a_loop_over_blocks_is_one_stages_and_trains_as_one_process() -> None:
     model = _loop_model()
     expected = train_plainly(
-        model, OPTIMIZERS["sgd"](model.parameters()), nn.CrossEntropyLoss(), _token_batches()
+        model,
+        OPTIMIZERS["sgd"](model.parameters()),
+        ms.models.TokenCrossEntropy(),
+        _token_batches(),
     )
     per_rank = ms.launch(_looping, 4, timeout_s=300)
     for index, case in enumerate(LOOP_CASES):
