@@ -64,7 +64,7 @@ def _check(cases: list[Case], per_rank: list[list[dict[str, Any]]]) -> None:
 @pytest.mark.timeout(600)
 def test_tp2_splits_every_familys_experts_and_matches_one_process() -> None:
     cases: list[Case] = [(model, {"tp": 2}) for model in FUSED]
-    _check(cases, ms.launch(train_cases, 2, args=(cases,), timeout_s=400))
+    _check(cases, ms.launch(train_cases, 2, args=(cases,), timeout_s=400, backend="gloo"))
 
 
 @pytest.mark.timeout(600)
@@ -76,7 +76,7 @@ def test_the_experts_split_composes_with_tp4_ep_pp_and_zero3() -> None:
         {"dp": 2, "tp": 2, "zero": 3},
     ]
     cases: list[Case] = [(m, p) for p in plans for m in ("mixtral", "gpt_oss", "llama4")]
-    _check(cases, ms.launch(train_cases, 4, args=(cases,), timeout_s=500))
+    _check(cases, ms.launch(train_cases, 4, args=(cases,), timeout_s=500, backend="gloo"))
 
 
 def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
@@ -110,7 +110,9 @@ def test_a_checkpoint_of_split_experts_resumes_under_another_plan(
     tmp_path: Any, model: str
 ) -> None:
     want_losses, want_state = _single(model)
-    for per_plan in ms.launch(_resumed, 2, args=(str(tmp_path), model), timeout_s=300):
+    for per_plan in ms.launch(
+        _resumed, 2, args=(str(tmp_path), model), timeout_s=300, backend="gloo"
+    ):
         for got in per_plan:
             assert got["loss"] == pytest.approx(want_losses[2], rel=RTOL)
             for key, value in want_state.items():
@@ -184,7 +186,7 @@ def test_a_model_each_rank_builds_in_parts_splits_its_experts_under_ep_and_tp() 
     cases: list[Case] = [
         (m, p) for m in ("mixtral", "gpt_oss") for p in ({"dp": 2, "ep": 2}, {"tp": 2})
     ]
-    per_rank = ms.launch(_built_in_parts, 2, args=(cases,), timeout_s=300)
+    per_rank = ms.launch(_built_in_parts, 2, args=(cases,), timeout_s=300, backend="gloo")
     for index, (model, fields) in enumerate(cases):
         torch.manual_seed(0)
         whole = BUILDERS[model]()
@@ -226,7 +228,7 @@ def _one_module_split() -> dict[str, Any]:
 
 
 def test_a_split_experts_module_sums_over_tp_with_one_all_reduce_each_way() -> None:
-    for got in ms.launch(_one_module_split, 2, timeout_s=60):
+    for got in ms.launch(_one_module_split, 2, timeout_s=60, backend="gloo"):
         whole, split = got["whole"], got["split"]
         for key in ("out", "x", "w"):
             torch.testing.assert_close(split[key], whole[key], rtol=1e-5, atol=1e-5)

@@ -131,7 +131,7 @@ def test_a_loop_over_blocks_is_one_stages_and_trains_as_one_process() -> None:
         ms.models.TokenCrossEntropy(),
         _token_batches(),
     )
-    per_rank = ms.launch(_looping, 4, timeout_s=300)
+    per_rank = ms.launch(_looping, 4, timeout_s=300, backend="gloo")
     for index, case in enumerate(LOOP_CASES):
         assert_matches([rank[index][:2] for rank in per_rank], expected, case=str(case))
         stages = per_rank[0][index][2]
