@@ -361,8 +361,9 @@ def find_pairs(
     layers: Mapping[str, nn.Module],
     tp: int,
     realize: Realize = as_it_is,
-) -> tuple[list[Pair], list[Refusal]]:
-    """The exact column/row pairs among `layers` (Linear or Conv1D), and the refused ones.
+) -> tuple[list[Pair], list[Refusal], set[str]]:
+    """The exact column/row pairs among `layers` (Linear or Conv1D), the refused ones, and
+    the layers the example called.
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
     built in parts keeps them elsewhere)."""
@@ -382,4 +383,4 @@ def find_pairs(
                 pairs.append(checked)
             else:
                 refused.append(checked)
-        return pairs, refused
+        return pairs, refused, set(trace.calls)

@@ -33,6 +33,7 @@ from meshsplit.tensor.layers import (
     VocabParallelEmbedding,
     tp_group,
 )
+from meshsplit.tensor.twins import twin_pairs
 from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
 
 __all__ = ["Decision", "plan_splits", "parallelize"]
@@ -134,8 +135,9 @@ def _pair(
 
 def _data_flow(
     model: nn.Module, example: Any, units: list[Unit], tp: int, realize: Realize
-) -> None:
-    """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`."""
+) -> set[str]:
+    """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`; the
+    names of those the example called."""
     free = [u for u in units if u.kind == "linear" and not u.split and u.tied is None]
     for unit in free:  # the data flow replaces Sequential neighbours for these layers
         if unit.after is not None:
@@ -144,7 +146,9 @@ def _data_flow(
             feeder.after = None
         unit.after, unit.feeders = None, []
     by_name = {unit.name: unit for unit in free}
-    pairs, refused = find_pairs(model, example, {u.name: u.module for u in free}, tp, realize)
+    pairs, refused, called = find_pairs(
+        model, example, {u.name: u.module for u in free}, tp, realize
+    )
     for pair in pairs:
         columns = [by_name[name] for name in pair.columns]
         _pair(columns, by_name[pair.row], pair.columns, pair.per_rank, "data flow")
@@ -154,6 +158,7 @@ def _data_flow(
                 _set(by_name[name], "replicate", f"{refusal.reason}: attention kept whole")
             else:
                 by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
+    return called
 
 
 def _summed_inside_pairs(
@@ -271,8 +276,13 @@ def plan_splits(
     if tp > 1:
         _model_plan(model, by_name, tp)
         if example is not None:
-            _data_flow(model, example, units, tp, realize)
+            called = _data_flow(model, example, units, tp, realize)
             summed = _summed_inside_pairs(model, example, units, others)
+            mended = {row for row, _ in summed.values()}
+            for twin, original in twin_pairs(model, units, called, mended):
+                columns = [by_name[name] for name in twin.columns]
+                source = f"as in '{original}', its twin that the example ran"
+                _pair(columns, by_name[twin.row], twin.columns, twin.per_rank, source)
             others = experts_decisions(model, example, others, tp, realize, set(summed))
     _choose(units, tp, total)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
