@@ -168,3 +168,19 @@ def test_a_model_with_too_few_layers_for_its_chunks_is_refused_by_the_estimate()
         ms.estimate_memory(
             ms.models.mlp((784, 16, 10)), plan, batch, loss_fn=torch.nn.CrossEntropyLoss()
         )
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_sharded_pipeline_whose_routing_reads_the_weights_is_estimated(zero: int) -> None:
+    """Zero bubble re-runs the backward (and so the recomputed forward) in W under ZeRO: the
+    simulated gathers must hand the router the same weights both times, or the experts get
+    other rows and the recompute check refuses the step."""
+    reference = ms.models.reference("moe")
+    plan = ms.Plan(
+        dp=2, pp=2, zero=zero, schedule="zero-bubble", recompute="always", micro_batches=2
+    )
+    estimate = ms.estimate_memory(
+        reference.model(), plan, reference.synthetic(16, seed=1), loss_fn=reference.loss()
+    )
+    assert len(estimate.ranks) == 4
+    assert all(rank.peak_bytes > 0 for rank in estimate.ranks)

@@ -212,6 +212,10 @@ class _AsyncAllGather(_PlainBuffers, AllGather):
         if pieces[me].data_ptr() != input_tensor.data_ptr():  # FSDP2 gathers in place
             pieces[me].copy_(input_tensor)
         others = [r for r in range(size) if r != me]
+        if dist.get_backend(group) == "fake":  # the estimate's group sends nothing: the same
+            for r in others:  # zeros each gather, so a recompute reads what its forward read
+                pieces[r].zero_()
+            return None
         works = _swap(group, {r: input_tensor for r in others}, {r: pieces[r] for r in others})
         return _AllOf(works) if works else None
 
