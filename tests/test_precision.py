@@ -61,6 +61,8 @@ def _build(model: str) -> nn.Module:
     torch.manual_seed(0)
     if model == "transformer":
         return ms.models.transformer(vocab_size=64, d_model=32, n_heads=4, n_layers=2, seq_len=8)
+    if model == "moe":  # the CLI's own: its experts add their bf16 answers into fp32 tokens
+        return ms.models.moe(vocab_size=64, d_model=32, n_heads=4, seq_len=8, experts=4, hidden=32)
     return (FACTORIES | MORE)[model]()
 
 
@@ -186,6 +188,7 @@ TWO = [
     *[(m, {"pp": 2, "micro_batches": 2}, "bf16-mixed", 1.0) for m in HF],
     *[(m, {"dp": 2, "zero": 3}, "bf16-mixed", 1.0) for m in HF],
     ("mixtral", {"tp": 2}, "bf16-mixed", 1.0),  # every expert split by its inner width
+    ("moe", {"dp": 2, "ep": 2}, "bf16-mixed", 1.0),
 ]
 FOUR = [
     ("transformer", {"pp": 2, "tp": 2, "micro_batches": 2}, "bf16-mixed", 1.0),

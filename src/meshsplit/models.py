@@ -162,7 +162,8 @@ class Experts(nn.Module):
             token, slot = torch.where(top_k_index == expert)
             gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             answer = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out = out.index_add(0, token, answer * top_k_weights[token, slot, None])
+            weighted = answer * top_k_weights[token, slot, None]  # autocast: a low dtype
+            out = out.index_add(0, token, weighted.to(out.dtype))
         return out
 
 
