@@ -99,6 +99,9 @@ def _train() -> dict[str, Any]:
 
 
 def test_tp2_trains_every_expert_split_like_one_process() -> None:
+    x, _ = _batches()[0]
+    routed = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    assert set(routed.tolist()) == {0, 1, 2, 3}, "the batch must reach every expert"
     model = _model()
     want_losses, want_state = train_plainly(
         model, OPTIMIZERS["sgd"](model.parameters()), nn.CrossEntropyLoss(), _batches()

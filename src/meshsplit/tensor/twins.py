@@ -22,10 +22,10 @@ __all__: list[str] = []
 def twin_pairs(
     model: nn.Module, units: list[Unit], called: set[str], mended: set[str]
 ) -> list[tuple[Pair, str]]:
-    """Each data-flow pair of `units` moved to every sibling of its owner whose layers the
-    example never `called` and no rule split yet, with the module it was copied from; not
-    a pair whose split values a whole layer reads (`mended` rows: their sums were found by
-    running the example, which a twin's never ran)."""
+    """Each pair of `units` set so far (by a plan or the data flow) moved to every sibling
+    of its owner whose layers the example never `called` and no rule split yet, with the
+    module it was copied from; not a pair whose split values a whole layer reads (`mended`
+    rows: their sums were found by running the example, which a twin's never ran)."""
     pairs = [
         Pair(columns={c.name: c.parts for c in u.feeders}, row=u.name, per_rank=u.per_rank)
         for u in units
@@ -37,7 +37,6 @@ def twin_pairs(
         if u.kind == "linear" and not u.split and u.tied is None and u.name not in called
     }
     found: list[tuple[Pair, str]] = []
-    taken: set[str] = set()
     for pair in pairs:
         names = [*pair.columns, pair.row]
         owner = _owner(names)
@@ -48,17 +47,16 @@ def twin_pairs(
         if not isinstance(parent, nn.ModuleList | nn.ModuleDict):
             continue
         original = parent.get_submodule(key)
+        shapes = _shapes(original)
         for other, sibling in parent.named_children():
-            if other == key or type(sibling) is not type(original):
-                continue
-            if _shapes(sibling) != _shapes(original):
+            if other == key or type(sibling) is not type(original) or _shapes(sibling) != shapes:
                 continue
             start = f"{parent_name}.{other}" if parent_name else other
             moved = {name: start + name[len(owner) :] for name in [*names, *pair.per_rank]}
             layers = [moved[name] for name in names]
-            if not all(name in free and name not in taken for name in layers):
+            if not free.issuperset(layers):
                 continue
-            taken.update(layers)
+            free.difference_update(layers)  # a layer joins one pair
             twin = Pair(
                 columns={moved[c]: parts for c, parts in pair.columns.items()},
                 row=moved[pair.row],
