@@ -20,6 +20,10 @@ from meshsplit.planner.machine import OPERATIONS, Link, Machine
 
 __all__ = ["Cluster", "cluster_names", "load_cluster"]
 
+DEFAULT_LAUNCH_S = 5e-6
+"""A cluster file without `launch_s`: eager dispatch of one operator (1-4 us measured on
+this project's CPU host for add, view and linear) plus a CUDA kernel launch."""
+
 FRACTIONS = ("matmul_efficiency", "memory_efficiency", "link_efficiency")
 """Fields that are fractions of a peak: in (0, 1]."""
 
@@ -48,6 +52,9 @@ class Cluster:
     """Fraction of HBM bandwidth a streaming elementwise kernel reaches."""
     link_efficiency: float
     """Fraction of a link's bandwidth NCCL collectives reach (bus bandwidth / spec)."""
+    launch_s: float = DEFAULT_LAUNCH_S
+    """The least time one operator takes in eager PyTorch: the host dispatching it and
+    launching its kernel (small models are bound by it, not by FLOPs)."""
     description: str = ""
     """One line on what the figures describe."""
     sources: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -78,7 +85,9 @@ class Cluster:
         all_reduce of S bytes 2(n-1)·alpha + 2(n-1)/n·S/B; reduce_scatter of input S
         (n-1)·alpha + (n-1)/n·S/B; all_gather of a shard S (n-1)·alpha + (n-1)·S/B;
         all_to_all of S (pairwise: S/n to each peer) like reduce_scatter; send_recv
-        alpha + S/B. Compute runs at peak(dtype) * matmul_efficiency.
+        alpha + S/B. Compute runs at peak(dtype) * matmul_efficiency, memory-bound work (the
+        optimizer, the loss) at memory_bytes_per_s * memory_efficiency, and no operator takes
+        less than launch_s.
         `group_sizes` default: powers of two up to 4096 and devices_per_node.
         """
         sizes = group_sizes or tuple(sorted({2**k for k in range(1, 13)} | {self.devices_per_node}))
@@ -102,6 +111,8 @@ class Cluster:
             links=links,
             cores=None,
             flop_per_s=self.peak_flops(dtype) * self.matmul_efficiency,
+            memory_bytes_per_s=self.memory_bytes_per_s * self.memory_efficiency,
+            launch_s=self.launch_s,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,6 +135,7 @@ class Cluster:
             "matmul_efficiency": self.matmul_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "link_efficiency": self.link_efficiency,
+            "launch_s": self.launch_s,
             "sources": dict(self.sources),
         }
 
@@ -237,5 +249,6 @@ def _from_dict(data: dict[str, Any], where: str) -> Cluster:
         intra_node=link("intra_node"),
         inter_node=link("inter_node"),
         sources={str(k): str(v) for k, v in sources.items()},
+        launch_s=number("launch_s") if "launch_s" in data else DEFAULT_LAUNCH_S,
         **fractions,
     )

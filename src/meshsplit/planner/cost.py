@@ -38,6 +38,7 @@ from meshsplit.planner.schedule_cost import (
     stage_sizes,
 )
 from meshsplit.planner.schedule_cost import simulate_pipeline as simulate_pipeline
+from meshsplit.planner.step_extras import loss_s, optimizer_s_per_byte, overhead_s
 from meshsplit.planner.workload import Item, Traffic, Workload
 
 __all__: list[str] = []
@@ -116,9 +117,10 @@ def _stretch(machine: Machine, plan: Plan) -> float:
 
 
 def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> float:
-    if machine.flop_per_s is not None:
+    if machine.flop_per_s is not None:  # small kernels wait for the host to launch them
         flops = item.backward_flops_per_row if backward else item.forward_flops_per_row
-        return flops * rows / machine.flop_per_s
+        ops = item.backward_ops if backward else item.forward_ops
+        return max(flops * rows / machine.flop_per_s, ops * machine.launch_s)
     return (item.backward if backward else item.forward).at(rows)
 
 
@@ -222,8 +224,8 @@ def _stages(
             stage.exit_bytes += item.exit_bytes_per_row * rows
             stage.largest_output = max(stage.largest_output, item.output_bytes_per_row * rows)
         if s == last:
-            stage.forward_s += workload.loss_forward.at(rows)
-            stage.backward_s += workload.loss_backward.at(rows)
+            stage.forward_s += loss_s(workload, machine, run[-1], rows, backward=False)
+            stage.backward_s += loss_s(workload, machine, run[-1], rows, backward=True)
         if recomputes(plan.recompute, s % plan.pp, plan.pp):
             stage.recompute_s = stage.forward_s + stage.tp_forward_s + stage.ep_forward_s
         if s > 0:
@@ -280,7 +282,8 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     for s, st in enumerate(stages):
         dp_exposed, optimizer = _sync_s(workload, machine, plan, st, overlap * st.b)
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
-    path = max(total for total, _, _ in totals) + workload.step_overhead_s
+    overhead = overhead_s(workload, machine)
+    path = max(total for total, _, _ in totals) + overhead
     # every worker's work, and the servers' optimizer steps (a worker steps none under ps)
     work = sum(
         m * (st.f + st.b) + t[1] + t[2] * (not ps) for st, t in zip(stages, totals, strict=True)
@@ -289,7 +292,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     step = path * _stretch(machine, plan)  # every core busy: waits and work all stretch
     if machine.cores is not None:
         slowdown = machine.slowdown(plan.mesh_size)
-        step = max(step, busy * slowdown / plan.mesh_size + workload.step_overhead_s)
+        step = max(step, busy * slowdown / plan.mesh_size + overhead)
     critical = max(range(plan.pp), key=lambda s: stages[s].f + stages[s].b)
     st = stages[critical]
     _, dp_exposed, optimizer = totals[critical]
@@ -302,10 +305,10 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         "communication_pp": pp_wait,
         "communication_dp": dp_exposed,
         "communication_ep": m * (st.ep_forward_s + st.ep_backward_s),
-        "bubble": max(0.0, path - workload.step_overhead_s - own),
+        "bubble": max(0.0, path - overhead - own),
         "optimizer": optimizer,
         "sharing": step - path,
-        "overhead": workload.step_overhead_s,
+        "overhead": overhead,
     }
     return Prediction(
         plan=plan,
@@ -340,11 +343,11 @@ def _sync_s(
         pushed, trainable = st.reduced_bytes, float(st.trainable_bytes)
         return (
             exchange_s(machine, plan, pushed=pushed, trainable=trainable, message_s=loaded),
-            server_optimizer_s(plan, trainable, workload.optimizer_s_per_byte),
+            server_optimizer_s(plan, trainable, optimizer_s_per_byte(workload, machine)),
         )
     shard = plan.dp if plan.zero else 1
     exposed = dp_s(machine, plan, overlap_s=overlap_s, **st.gradients())
-    return exposed, workload.optimizer_s_per_byte * st.trainable_bytes / shard
+    return exposed, optimizer_s_per_byte(workload, machine) * st.trainable_bytes / shard
 
 
 def _memory(

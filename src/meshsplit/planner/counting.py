@@ -45,6 +45,8 @@ class _Counts:
         self.exits = 0
         """Bytes of what the item's modules holding parameters made (see Item)."""
         self.flops = [0.0, 0.0]
+        self.ops = [0, 0]
+        """Operators dispatched in forward and in backward (on a GPU, a kernel launch each)."""
         self.calls: list[dict[str, list[float]]] = [defaultdict(lambda: [0, 0.0]) for _ in range(2)]
         self.storages: set[int] = set()
         self.output_bytes = 0
@@ -87,7 +89,7 @@ class _Counts:
 
 
 class _Attribution(TorchDispatchMode):
-    """Charges FLOPs, saved bytes and collectives to the item running now."""
+    """Charges operators, FLOPs, saved bytes and collectives to the item running now."""
 
     def __init__(self, counts: list[_Counts], parameters: set[int]) -> None:
         super().__init__()
@@ -99,6 +101,7 @@ class _Attribution(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.counts[self.current].ops[self.direction] += 1
         counter = flop_registry.get(func._overloadpacket)
         if counter is not None:
             self.counts[self.current].flops[self.direction] += counter(*args, **kwargs, out_val=out)

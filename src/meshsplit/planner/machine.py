@@ -54,6 +54,12 @@ class Machine:
     is busy between collectives (measured per job)."""
     flop_per_s: float | None = None
     """Paper mode: compute is priced as FLOPs at this rate instead of this host's timings."""
+    launch_s: float = 0.0
+    """Paper mode: the least time one operator takes (the host dispatching it and launching
+    its kernel): an item's compute is priced at no less than its operators times this."""
+    memory_bytes_per_s: float | None = None
+    """Paper mode: memory-bound work (the optimizer step, the loss) is priced as the bytes it
+    streams at this rate instead of this host's timings."""
 
     def link(self, operation: str, group_size: int) -> Link:
         sizes = self.links[operation]
@@ -93,6 +99,8 @@ class Machine:
             "cores": self.cores,
             "compute_slowdown": {str(k): v for k, v in self.compute_slowdown.items()},
             "flop_per_s": self.flop_per_s,
+            "memory_bytes_per_s": self.memory_bytes_per_s,
+            "launch_s": self.launch_s,
             "message_s": {str(k): v for k, v in self.message_s.items()},
             "lockstep_s": {str(k): v for k, v in self.lockstep_s.items()},
             "links": {
@@ -108,6 +116,8 @@ class Machine:
             cores=data.get("cores"),
             compute_slowdown={int(k): float(v) for k, v in data["compute_slowdown"].items()},
             flop_per_s=data.get("flop_per_s"),
+            memory_bytes_per_s=data.get("memory_bytes_per_s"),
+            launch_s=float(data.get("launch_s", 0.0)),
             message_s={int(k): float(v) for k, v in data.get("message_s", {}).items()},
             lockstep_s={int(k): float(v) for k, v in data.get("lockstep_s", {}).items()},
             links={

@@ -171,6 +171,8 @@ def _items(
                 trainable=any(p.requires_grad for p in part.parameters()),
                 forward_flops_per_row=count.flops[0] / high,
                 backward_flops_per_row=count.flops[1] / high,
+                forward_ops=count.ops[0],
+                backward_ops=count.ops[1],
                 forward_traffic=count.traffic(0, high),
                 backward_traffic=count.traffic(1, high),
                 expert_bytes=sum(

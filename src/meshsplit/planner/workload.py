@@ -73,6 +73,10 @@ class Item:
     trainable: bool = True
     forward_flops_per_row: float = 0.0
     backward_flops_per_row: float = 0.0
+    forward_ops: int = 0
+    """Operators one forward of the item dispatches, whatever its rows (paper mode prices
+    each at least a kernel launch)."""
+    backward_ops: int = 0
     forward_traffic: tuple[Traffic, ...] = ()
     backward_traffic: tuple[Traffic, ...] = ()
     expert_bytes: int = 0

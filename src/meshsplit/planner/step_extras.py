@@ -1,0 +1,46 @@
+"""What runs around a step's items: the loss, the optimizer step and the engine's bookkeeping.
+
+On this host each is timed (`measure.py`); on paper (a cluster this machine is not) the loss
+and the optimizer are memory-bound work priced as the bytes they stream at the device's
+memory bandwidth, and the host's bookkeeping is left out. Numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+from meshsplit.planner.machine import Machine
+from meshsplit.planner.workload import Item, Workload
+
+__all__: list[str] = []
+
+
+LOSS_PASSES = {False: 3, True: 2}
+"""Paper mode, backward? -> times the loss streams the logits' bytes: forward reads them,
+writes and reads their log-probabilities; backward reads those and writes the gradient."""
+
+
+def loss_s(
+    workload: Workload, machine: Machine, logits: Item, rows: float, backward: bool
+) -> float:
+    """The loss on the last stage's output: timed on this host, or on paper the bytes it
+    streams at the device's memory bandwidth (a CPU's time says nothing about a GPU's)."""
+    if machine.memory_bytes_per_s is None:
+        return (workload.loss_backward if backward else workload.loss_forward).at(rows)
+    streamed = LOSS_PASSES[backward] * logits.output_bytes_per_row * rows
+    return streamed / machine.memory_bytes_per_s
+
+
+def optimizer_s_per_byte(workload: Workload, machine: Machine) -> float:
+    """Optimizer seconds per parameter byte: timed on this host, or on paper what one step
+    streams (each parameter read and written, its gradient read, its state read and
+    written) at the device's memory bandwidth."""
+    if machine.memory_bytes_per_s is None:
+        return workload.optimizer_s_per_byte
+    return (3 + 2 * workload.optimizer_state_per_byte) / machine.memory_bytes_per_s
+
+
+def overhead_s(workload: Workload, machine: Machine) -> float:
+    """What a step adds beyond its items, loss and optimizer: this host's engine bookkeeping
+    and the small operations between items; none on paper, where that is this CPU's time
+    (a bf16 autocast on a CPU made it 100x the MoE's priced step on a DGX H100), and a GPU
+    runs those operations as kernels the host queues ahead (they are not priced there)."""
+    return 0.0 if machine.flop_per_s is not None else workload.step_overhead_s
