@@ -162,6 +162,29 @@ def train_parallel(
     return losses, state
 
 
+def _gpt2_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (24, 8), generator=g)
+    y = torch.randint(0, 64, (24, 8), generator=g)
+    return list(zip(x.split(8), y.split(8), strict=True))
+
+
+def train_gpt2(plan: ms.Plan | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A Hugging Face GPT-2 (tied embedding and head) trained 3 SGD steps, under `plan`
+    (inside a worker) or in this process (None)."""
+    from hf_models import gpt2
+
+    torch.manual_seed(0)
+    model, loss_fn = gpt2(), ms.models.TokenCrossEntropy()
+    if plan is None:
+        return train_plainly(model, OPTIMIZERS["sgd"](model.parameters()), loss_fn, _gpt2_batches())
+    engine = ms.parallelize(model, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss_fn)
+    losses = [engine.train_step(x, y) for x, y in _gpt2_batches()]
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state
+
+
 def assert_matches(
     results: list[tuple[list[float], dict[str, torch.Tensor]]],
     expected: tuple[list[float], dict[str, torch.Tensor]],

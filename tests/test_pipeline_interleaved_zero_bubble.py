@@ -14,7 +14,7 @@ import torch
 
 import meshsplit as ms
 
-from reference import OPTIMIZERS, assert_matches, train_parallel, train_plainly, train_single
+from reference import assert_matches, train_gpt2, train_parallel, train_single
 
 RTOL, ATOL = 1e-4, 1e-5
 INTERLEAVED = {"schedule": "interleaved", "virtual_stages": 2}
@@ -43,28 +43,6 @@ GPT2: list[dict[str, Any]] = [
     {"pp": 2, "micro_batches": 2, **INTERLEAVED},
     {"pp": 2, "micro_batches": 2, **ZERO_BUBBLE, "recompute": "except_last"},
 ]
-
-
-def _gpt2_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 64, (24, 8), generator=g)
-    y = torch.randint(0, 64, (24, 8), generator=g)
-    return list(zip(x.split(8), y.split(8), strict=True))
-
-
-def _gpt2(plan: ms.Plan | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """GPT-2 trained 3 SGD steps, under `plan` (inside a worker) or in this process."""
-    from hf_models import gpt2
-
-    torch.manual_seed(0)
-    model, loss_fn = gpt2(), ms.models.TokenCrossEntropy()
-    if plan is None:
-        return train_plainly(model, OPTIMIZERS["sgd"](model.parameters()), loss_fn, _gpt2_batches())
-    engine = ms.parallelize(model, plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss_fn)
-    losses = [engine.train_step(x, y) for x, y in _gpt2_batches()]
-    state = engine.full_state_dict()
-    engine.close()
-    return losses, state
 
 
 def _details() -> dict[str, Any]:
@@ -104,7 +82,7 @@ def _details() -> dict[str, Any]:
 def _two_process_worker() -> dict[str, Any]:
     return {
         "transformer": [train_parallel("transformer", "sgd", ms.Plan(**o)) for o in TWO],
-        "gpt2": [_gpt2(ms.Plan(**o)) for o in GPT2],
+        "gpt2": [train_gpt2(ms.Plan(**o)) for o in GPT2],
         **_details(),
     }
 
@@ -125,7 +103,7 @@ def test_two_stages_match_single_process_and_describe_chunks() -> None:
     pytest.importorskip("transformers")
     per_rank = ms.launch(_two_process_worker, 2)
     _check([r["transformer"] for r in per_rank], TWO, train_single("transformer", "sgd"))
-    _check([r["gpt2"] for r in per_rank], GPT2, _gpt2(None))
+    _check([r["gpt2"] for r in per_rank], GPT2, train_gpt2(None))
     first = per_rank[0]
     described = first["describe"]
     assert described["chunks"] == {0: [0, 2], 1: [1, 3]}

@@ -34,7 +34,10 @@ import meshsplit as ms
             },
             ["Plan.stages=[1, 1]", "4 chunks"],
         ),
-        ({"schedule": "zbv"}, ["Plan.schedule='zbv'", "interleaved", "zero-bubble"]),
+        (
+            {"pp": 2, "schedule": "zbv", "virtual_stages": 4},
+            ["Plan.schedule='zbv'", "two chunks per rank", "virtual_stages=4"],
+        ),
     ],
 )
 def test_bad_fields_are_refused(fields: dict, words: list[str]) -> None:

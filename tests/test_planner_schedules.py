@@ -96,8 +96,29 @@ def test_zero_bubble_leaves_a_third_of_the_bubble_for_what_w_keeps() -> None:
     assert max(zb.memory_bytes) <= max(gpipe.memory_bytes)
 
 
+def test_zbv_halves_zero_bubbles_bubble_at_the_activations_of_1f1b() -> None:
+    work, machine = _workload(), _machine()
+    plans = {
+        name: ms.Plan(pp=4, micro_batches=8, schedule=name)
+        for name in ("1f1b", "zero-bubble", "zbv")
+    }
+    one_f, zb, zbv = (predict(work, machine, plan) for plan in plans.values())
+    assert zbv.stages == (2,) * 8  # two half-stage chunks per rank
+    assert zbv.terms["bubble"] < 0.6 * zb.terms["bubble"] < one_f.terms["bubble"]
+    assert zbv.terms["compute"] == pytest.approx(one_f.terms["compute"])
+    # every rank holds up to p micro-batches of a stage (1F1B's first rank) and what W reads:
+    # more than ZB-H1's, less than interleaving's warm-up or GPipe's m micro-batches
+    chunked = ms.Plan(pp=4, micro_batches=8, schedule="interleaved", virtual_stages=2)
+    gpipe = ms.Plan(pp=4, micro_batches=8, schedule="gpipe")
+    peaks = {name: max(predict(work, machine, plan).memory_bytes) for name, plan in
+             [("zb", plans["zero-bubble"]), ("il", chunked), ("gpipe", gpipe)]}  # fmt: skip
+    assert peaks["zb"] < max(zbv.memory_bytes) < min(peaks["il"], peaks["gpipe"])
+    assert any(r.plan.schedule == "zbv" for r in search(work, machine, 4).rows)
+
+
 @pytest.mark.parametrize(
-    ("name", "v"), [("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2)]
+    ("name", "v"),
+    [("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1), ("interleaved", 2), ("zbv", 2)],
 )
 def test_the_simulated_order_is_the_order_each_rank_runs(name: str, v: int) -> None:
     actions = schedule(name, 2, 4, v)

@@ -37,11 +37,12 @@ class Plan:
     """Micro-batches per step on each data-parallel replica (the pipeline's unit of work)."""
     schedule: str = "1f1b"
     """Pipeline schedule: '1f1b' (bounded activations), 'gpipe' (all forwards, then backwards),
-    'interleaved' (virtual_stages chunks per rank, a smaller bubble) or 'zero-bubble' (ZB-H1:
-    weight gradients deferred into the bubble)."""
+    'interleaved' (virtual_stages chunks per rank, a smaller bubble), 'zero-bubble' (ZB-H1:
+    weight gradients deferred into the bubble) or 'zbv' (ZB-V: two chunks per rank in a V,
+    weight gradients deferred, about half ZB-H1's bubble at 1F1B's activations)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank under schedule='interleaved' (rank r holds chunks r,
-    r+pp, ...); 1 otherwise."""
+    r+pp, ...); 2 under 'zbv' (rank r holds chunks r and 2*pp-1-r; set by it); 1 otherwise."""
     stages: tuple[int, ...] | None = None
     """Layers per pipeline stage (chunk, under 'interleaved'), overriding the profile-balanced
     split (len == pp * virtual_stages)."""
@@ -128,6 +129,8 @@ class Plan:
                 f"Plan.recompute={self.recompute!r} is unknown; "
                 f"use one of {', '.join(RECOMPUTE_POLICIES)}"
             )
+        if self.schedule == "zbv" and self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)  # the V: two chunks per rank
         stages, points = check_layer_split(
             self.pp, self.micro_batches, self.schedule, self.virtual_stages, self.stages,
             self.split_points,
@@ -316,7 +319,7 @@ class Plan:
             text += f" m{self.micro_batches}"
         if self.pp > 1:
             text += f" {self.schedule}"
-            text += f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            text += f" v{self.virtual_stages}" if self.schedule == "interleaved" else ""
         if self.recompute != "never":
             text += f" recompute={self.recompute}"
         if self.ep > 1:

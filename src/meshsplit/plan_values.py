@@ -52,7 +52,7 @@ def parse_bytes(value: str | int, field_name: str) -> int:
     return size
 
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble", "zbv")
 
 
 def check_layer_split(
@@ -67,10 +67,17 @@ def check_layer_split(
             f"Plan.virtual_stages={virtual_stages!r} must be a positive integer: model chunks "
             "per pipeline rank; e.g. virtual_stages=2 with schedule='interleaved'"
         )
-    if virtual_stages > 1 and schedule != "interleaved":
+    if schedule == "zbv" and virtual_stages != 2:
         raise PlanError(
-            f"Plan.virtual_stages={virtual_stages} applies to schedule='interleaved' only; add "
-            f"schedule='interleaved' or leave virtual_stages=1 (schedule={schedule!r})"
+            f"Plan.schedule='zbv' runs two chunks per rank in a V, not virtual_stages="
+            f"{virtual_stages}; leave virtual_stages=1 (it becomes 2), or use "
+            "schedule='interleaved' for more chunks per rank"
+        )
+    if virtual_stages > 1 and schedule not in ("interleaved", "zbv"):
+        raise PlanError(
+            f"Plan.virtual_stages={virtual_stages} applies to schedule='interleaved' (and 'zbv', "
+            "two chunks per rank) only; add schedule='interleaved' or leave virtual_stages=1 "
+            f"(schedule={schedule!r})"
         )
     if schedule == "interleaved" and micro_batches % pp:
         raise PlanError(

@@ -27,6 +27,7 @@ from meshsplit.pipeline.blocks import (
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.partition import balance, check_split, split_words
 from meshsplit.pipeline.profile import LayerCost, profile_layers
+from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
 from meshsplit.pipeline.stage import LayerProgram, Program, Routes, plan_routes
 from meshsplit.plan import Plan, PlanError
@@ -43,7 +44,7 @@ _BACKWARD_PER_FORWARD = 2.0
 @dataclass(frozen=True, kw_only=True)
 class Cuts:
     """The model as consecutive items (layers or pieces), and how they are cut into chunks
-    (one per rank, or v per rank when interleaved: chunk c on rank c % ranks)."""
+    (one per rank, or v per rank: chunk c on rank `placement[c]`)."""
 
     model: nn.Module
     names: tuple[str, ...]
@@ -53,6 +54,8 @@ class Cuts:
     """Items per chunk."""
     ranks: int
     """Pipeline ranks (Plan.pp)."""
+    placement: tuple[int, ...]
+    """The rank of each chunk (`schedules.chunk_ranks`: c % ranks, or a V under 'zbv')."""
     routes: tuple[Routes, ...]
     output: str
     source: str
@@ -69,9 +72,9 @@ class Cuts:
     def program(self, index: int) -> Program:
         return self.programs(index)
 
-    def chunks_of(self, rank: int) -> range:
-        """The chunks rank `rank` holds: rank, rank + ranks, ..."""
-        return range(rank, len(self.sizes), self.ranks)
+    def chunks_of(self, rank: int) -> list[int]:
+        """The chunks rank `rank` holds, in model order."""
+        return [chunk for chunk, held in enumerate(self.placement) if held == rank]
 
     def items_of(self, rank: int) -> list[int]:
         """Indices of the items rank `rank` holds, chunk by chunk."""
@@ -190,7 +193,7 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
         )
     cuts = _from_graph(model, graph, example, plan, agree)
     if plan.virtual_stages > 1:
-        refuse_skips(cuts.routes, cuts.ranks)
+        refuse_skips(cuts.routes, cuts.placement, plan.schedule)
     return cuts
 
 
@@ -198,14 +201,15 @@ def _chunks(plan: Plan) -> int:
     return plan.pp * plan.virtual_stages
 
 
-def refuse_skips(routes: Sequence[Routes], ranks: int) -> None:
-    """Interleaved chunks may send only to the next chunk: a value that skips one would go
-    between chunks of one rank, or past a rank whose schedule does not wait for it."""
+def refuse_skips(routes: Sequence[Routes], placement: Sequence[int], schedule: str) -> None:
+    """Chunks of a rank holding several may send only to the next chunk: a value that skips
+    one would go between chunks of one rank, or past a rank whose schedule does not wait for
+    it."""
     for chunk, route in enumerate(routes):
         for destination, names in route.sends:
             if destination != chunk + 1:
                 raise PlanError(
-                    f"under schedule='interleaved' chunk {chunk} (rank {chunk % ranks}) would "
+                    f"under schedule={schedule!r} chunk {chunk} (rank {placement[chunk]}) would "
                     f"send {list(names)} to chunk {destination}, past the next chunk (a skip "
                     "connection across a cut); use schedule='1f1b' or 'zero-bubble', or cut "
                     "elsewhere with Plan.stages"
@@ -240,6 +244,7 @@ def _from_graph(
         costs=tuple(costs),
         sizes=sizes,
         ranks=plan.pp,
+        placement=tuple(chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)),
         routes=tuple(routes),
         output=graph.output,
         source=graph.source,
@@ -296,6 +301,7 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
         costs=tuple(costs),
         sizes=sizes,
         ranks=plan.pp,
+        placement=tuple(chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)),
         routes=tuple(routes),
         output="output",
         source=f"blocks ({', '.join(blocks.lists)})",

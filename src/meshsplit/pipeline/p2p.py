@@ -8,6 +8,7 @@ so a timeline shows where a stage sits idle. Rationale: docs/internals.md#pipeli
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,8 +164,15 @@ class Received:
 class Exchange:
     """This rank's point-to-point traffic with the other stages (global ranks)."""
 
-    def __init__(self, device: torch.device, wire: torch.dtype | None = None) -> None:
+    def __init__(
+        self, device: torch.device, wire: torch.dtype | None = None, rank: int | None = None
+    ) -> None:
         self.device = device
+        self.rank = rank
+        """This process's global rank: a message to it stays here (the turn of a 'zbv' V,
+        where one rank runs two consecutive chunks), a copy as the wire would make."""
+        self._local: dict[int, deque[tuple[list[torch.Tensor], list[TensorMeta]]]] = {}
+        """tag -> the messages this rank sent itself, oldest first."""
         self.wire = wire
         """What floating tensors travel as (see wire_dtype); None: their own dtype."""
         self.pool = BufferPool(device)
@@ -196,6 +204,12 @@ class Exchange:
         """
         ops, keep = [], []
         for peer, tensors in messages:
+            if peer == self.rank:
+                copies = [t.detach().clone() for t in tensors]
+                self._local.setdefault(tag, deque()).append(
+                    (copies, [TensorMeta.of(t) for t in tensors])
+                )
+                continue
             if key is not None and (peer, key) not in self.told:
                 metas = [self.meta(t) for t in tensors]
                 header = encode(metas).to(self.device)
@@ -221,7 +235,11 @@ class Exchange:
     def receive(self, sources: list[tuple[int, int, Hashable]]) -> list[Received]:
         """One message from each (peer, tag, key), into pool buffers; learns its header the
         first time for that key."""
-        unknown = [(peer, tag, key) for peer, tag, key in sources if (peer, key) not in self._heard]
+        unknown = [
+            (peer, tag, key)
+            for peer, tag, key in sources
+            if (peer, key) not in self._heard and peer != self.rank
+        ]
         if unknown:
             if self.unheard is not None:
                 self.unheard([(peer, key) for peer, _, key in unknown])
@@ -234,21 +252,35 @@ class Exchange:
             for (peer, _, key), header in zip(unknown, headers, strict=True):
                 self._heard[(peer, key)] = decode(header.cpu())
         return self.receive_like(
-            [(peer, tag, self._heard[(peer, key)]) for peer, tag, key in sources]
+            [(peer, tag, self._heard.get((peer, key), [])) for peer, tag, key in sources]
         )
 
     def receive_like(self, messages: list[tuple[int, int, list[TensorMeta]]]) -> list[Received]:
         """One message from each (peer, tag) whose shapes this rank already knows (e.g.
         gradients)."""
-        buffers = [[self.pool.take(meta) for meta in metas] for _, _, metas in messages]
+        remote = [message for message in messages if message[0] != self.rank]
+        buffers = [[self.pool.take(meta) for meta in metas] for _, _, metas in remote]
         self._wait(
             [
                 (peer, tag, buffer)
-                for (peer, tag, _), message in zip(messages, buffers, strict=True)
+                for (peer, tag, _), message in zip(remote, buffers, strict=True)
                 for buffer in message
             ]
         )
-        return [self._restore(b, metas) for b, (_, _, metas) in zip(buffers, messages, strict=True)]
+        heard = iter(
+            [self._restore(b, metas) for b, (_, _, metas) in zip(buffers, remote, strict=True)]
+        )
+        return [self._own(tag) if peer == self.rank else next(heard) for peer, tag, _ in messages]
+
+    def _own(self, tag: int) -> Received:
+        """The oldest message this rank sent itself under `tag` (its schedule sends it first)."""
+        queue = self._local.get(tag)
+        if not queue:
+            raise RuntimeError(
+                f"rank {self.rank} waits for a message to itself (tag {tag}) never sent"
+            )
+        tensors, metas = queue.popleft()
+        return Received(tensors=tensors, metas=metas, lent=[])
 
     def _restore(self, buffers: list[torch.Tensor], metas: list[TensorMeta]) -> Received:
         """The tensors as the sender had them: cast back from the wire dtype where needed."""

@@ -59,7 +59,7 @@ class PipelineRunner:
         self.sizes = cuts.sizes
         self.index = mesh.rank("pp")
         module = cuts.stage_module(self.index)
-        exchange = Exchange(mesh.device, wire_dtype(plan))
+        exchange = Exchange(mesh.device, wire_dtype(plan), rank=dist.get_rank())
         self.chunks = {
             chunk: Stage(
                 index=chunk,
@@ -68,7 +68,7 @@ class PipelineRunner:
                 program=cuts.program(chunk),
                 output=cuts.output,
                 routes=cuts.routes[chunk],
-                peers=[mesh.global_rank(pp=k % plan.pp) for k in range(len(cuts.sizes))],
+                peers=[mesh.global_rank(pp=rank) for rank in cuts.placement],
                 exchange=exchange,
                 precision=precision,
             )
@@ -82,7 +82,9 @@ class PipelineRunner:
         self._cuts = cuts
         self._state = cuts.local_state(self.index)
         self._description = _describe(cuts, plan)
-        self._last_rank = mesh.global_rank(pp=plan.pp - 1)
+        self._last_stage = cuts.placement[-1]
+        """The rank of the last chunk (pp-1, or 0 under 'zbv'): it computes the loss."""
+        self._last_rank = mesh.global_rank(pp=self._last_stage)
         cuts.release_other_stages(self.index)
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -142,9 +144,10 @@ class PipelineRunner:
 
     def forward(self, inputs: Any) -> Any:
         chunks = split_rows(inputs, max(1, min(self.plan.micro_batches, rows(inputs))))
-        actions = forward_only(self.plan.pp, len(chunks), self.plan.virtual_stages)[self.index]
-        step = run(self.chunks, actions, chunks, None, None)
-        output = cat_rows(step.outputs) if self.index == self.plan.pp - 1 else None
+        plan = self.plan
+        actions = forward_only(plan.pp, len(chunks), plan.virtual_stages, plan.schedule)
+        step = run(self.chunks, actions[self.index], chunks, None, None)
+        output = cat_rows(step.outputs) if self.index == self._last_stage else None
         group = self.mesh.group("pp")
         kind = [isinstance(output, torch.Tensor)]  # the last stage tells what it made
         dist.broadcast_object_list(kind, src=self._last_rank, group=group)
@@ -205,7 +208,7 @@ def _describe(cuts: Cuts, plan: Plan) -> dict[str, Any]:
         params = {id(p): p for i in span for p in cuts.modules[i].parameters()}
         stages.append(
             {
-                "stage": chunk % plan.pp,
+                "stage": cuts.placement[chunk],
                 "chunk": chunk,
                 "layers": [cuts.names[i] for i in span],
                 "parameters": sum(p.numel() for p in params.values()),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from meshsplit.memory.recompute import recomputes
 from meshsplit.pipeline.p2p import wire_dtype
-from meshsplit.pipeline.schedules import Schedule
+from meshsplit.pipeline.schedules import Schedule, chunk_ranks
 from meshsplit.plan import Plan
 from meshsplit.planner.dp_cost import dp_bytes, dp_s, reduce_share
 from meshsplit.planner.expert_cost import dispatch_bytes, dispatch_s, held_expert_bytes
@@ -30,6 +30,7 @@ from meshsplit.planner.ps_cost import exchange_s, server_bytes, server_optimizer
 from meshsplit.planner.schedule_cost import (
     WEIGHT_SHARE,
     Interval,
+    chunks_held,
     ends,
     peak_held,
     plan_actions,
@@ -198,6 +199,7 @@ def _stages(
     stretch = _stretch(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     last = len(sizes) - 1
+    placement = chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)
     stages = []
     for s in range(len(sizes)):
         run, stage = items[starts[s] : starts[s + 1]], _Stage()
@@ -226,13 +228,15 @@ def _stages(
         if s == last:
             stage.forward_s += loss_s(workload, machine, run[-1], rows, backward=False)
             stage.backward_s += loss_s(workload, machine, run[-1], rows, backward=True)
-        if recomputes(plan.recompute, s % plan.pp, plan.pp):
+        if recomputes(plan.recompute, placement[s], plan.pp):
             stage.recompute_s = stage.forward_s + stage.tp_forward_s + stage.ep_forward_s
         if s > 0:
             stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
         if s < last:
             stage.send_bytes = _message_bytes(run[-1], plan) * rows
-            stage.send_s = _message_s(machine, plan, stage.send_bytes)
+            # the turn of a 'zbv' V hands a chunk's output to the same rank
+            local = placement[s] == placement[s + 1]
+            stage.send_s = 0.0 if local else _message_s(machine, plan, stage.send_bytes)
         dense = stage.trainable_bytes - stage.expert_trainable_bytes
         stage.reduced_bytes = dense * reduce_share(plan)
         stage.expert_reduced_bytes = stage.expert_trainable_bytes * reduce_share(plan)
@@ -262,7 +266,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     rows = rows_per_micro_batch(plan, workload.global_rows)
     sizes = stage_sizes(workload.items[plan.tp], plan, rows)
     chunks = _stages(workload, machine, plan, rows, sizes)
-    stages = [_merged(chunks[r :: plan.pp]) for r in range(plan.pp)]
+    stages = [_merged([chunks[c] for c in chunks_held(plan, r)]) for r in range(plan.pp)]
     m = plan.micro_batches
     actions = plan_actions(plan)
     split = splits_backward(actions)
@@ -374,7 +378,7 @@ def _memory(
     kept = [0.0 if i == 0 else c.exit_bytes for i, c in enumerate(chunks)]
     activations = peak_held(actions[r], r, held, kept)
     if recomputed:  # one chunk's forward is redone at a time, its activations whole
-        activations += max(c.saved_bytes for c in chunks[r :: plan.pp])
+        activations += max(chunks[c].saved_bytes for c in chunks_held(plan, r))
     optimizer = 0.0 if plan.sync == "ps" else workload.optimizer_state_per_byte / shard
     state = _state_bytes(plan, st) + optimizer * st.trainable_bytes
     return int(state + activations + 2 * st.largest_output)

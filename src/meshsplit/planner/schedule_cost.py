@@ -1,7 +1,8 @@
 """A pipeline schedule run on priced chunks: the planner replays the runtime's own action lists.
 
 Numbers in, numbers out, so every schedule is priced without processes. A plan's model is cut
-into C = pp * v chunks (v = Plan.virtual_stages; rank r holds chunks r, r+pp, ...), each with
+into C = pp * v chunks (v = Plan.virtual_stages; rank r holds chunks r, r+pp, ..., or under
+ZB-V r and 2pp-1-r), each with
 per-micro-batch times F_c, B_c (and W_c when the schedule splits backward) and a message
 time to chunk c+1. Interleaving makes each chunk 1/v of a stage, so the bubble shrinks to
 about (p-1)/(v*m) of the compute for v times the messages; zero bubble (ZB-H1) prices B as the
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshsplit.pipeline.partition import balance
-from meshsplit.pipeline.schedules import Action, Schedule, schedule
+from meshsplit.pipeline.schedules import Action, Schedule, chunk_ranks, schedule
 from meshsplit.plan import Plan
 from meshsplit.planner.workload import Item
 
@@ -63,6 +64,12 @@ def _balanced(
 ) -> tuple[int, ...]:
     """`balance`, once per split: the search prices many plans on the same one."""
     return balance(costs, chunks, trainable, virtual_stages=virtual_stages)
+
+
+def chunks_held(plan: Plan, rank: int) -> list[int]:
+    """The chunks pipeline rank `rank` runs (r, r+pp, ...; r and 2pp-1-r under 'zbv')."""
+    placement = chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)
+    return [chunk for chunk, held in enumerate(placement) if held == rank]
 
 
 def plan_actions(plan: Plan) -> Schedule:

@@ -2,12 +2,12 @@
 
 The space: dp x pp x tp = N over the tp widths the model can take; for a model with experts,
 ep over every divisor of dp that divides the experts; micro-batches (pp, 2pp, 4pp, ... while
-they divide the replica's rows; 1 without a pipeline); schedules 1f1b, gpipe, zero-bubble and
-interleaved with v = 2 or 4 chunks per rank where the model has a trainable item for each of
-the pp * v chunks; recompute never, except the last stage, always; optimizer state whole or
-sharded over dp (whole under ep). Beside them, parameter servers at staleness 0: dp = N - S
-workers (at least two) and S = 1 or 2 servers (`ps_cost.py`), whole models with no layer or
-operator split.
+they divide the replica's rows; 1 without a pipeline); schedules 1f1b, gpipe, zero-bubble,
+interleaved with v = 2 or 4 chunks per rank and zbv (2 in a V) where the model has a
+trainable item for each of the pp * v chunks; recompute never, except the last stage,
+always; optimizer state whole or sharded over dp (whole under ep). Beside them, parameter
+servers at staleness 0: dp = N - S workers (at least two) and S = 1 or 2 servers
+(`ps_cost.py`), whole models with no layer or operator split.
 A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
 the model has fewer trainable items than stages, a layer does not split that wide) or when
 its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
@@ -56,6 +56,8 @@ def _variants(plan: Plan, trainable: int) -> list[Plan]:
     schedules = [(s, 1) for s in ("1f1b", "gpipe", "zero-bubble")] if plan.pp > 1 else [("1f1b", 1)]
     if plan.pp > 1 and plan.micro_batches % plan.pp == 0:
         schedules += [("interleaved", v) for v in VIRTUAL_STAGES if plan.pp * v <= trainable]
+    if plan.pp > 1 and 2 * plan.pp <= trainable:
+        schedules.append(("zbv", 2))
     checkpoints = ("never", "except_last", "always") if plan.pp > 1 else ("never", "always")
     zeros = (0, 1, 2, 3) if plan.dp > 1 and plan.ep == 1 and plan.sync != "ps" else (0,)
     return [

@@ -17,6 +17,7 @@ from meshsplit.data_parallel import Sync
 from meshsplit.data_parallel.allreduce import GradientSync
 from meshsplit.job.nonfinite import Agreed, agree, agree_carried, riders
 from meshsplit.mesh import Mesh
+from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.plan import Plan
 from meshsplit.runtime.runner import LocalRunner, Runner
 
@@ -25,11 +26,11 @@ __all__: list[str] = []
 
 def loss_share(plan: Plan, mesh: Mesh, global_rows: int, replica_rows: int) -> float:
     """What this rank's loss counts in the sum over the mesh: each replica's loss is held
-    alike by its tp ranks (of the last stage, under pp); workers apart report their own
-    replica's mean."""
+    alike by its tp ranks (of the stage running the last chunk, under pp: pp-1, or 0 under
+    'zbv'); workers apart report their own replica's mean."""
     if plan.asynchronous:
         return global_rows / replica_rows
-    if mesh.rank("pp") != plan.pp - 1:
+    if mesh.rank("pp") != chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)[-1]:
         return 0.0
     return 1.0 / plan.tp
 

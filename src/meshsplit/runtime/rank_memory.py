@@ -199,7 +199,9 @@ def _fit(
     in_flight = 1
     if isinstance(runner, PipelineRunner):
         in_flight = max_in_flight(
-            schedule(plan.schedule, plan.pp, plan.micro_batches)[mesh.rank("pp")]
+            schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)[
+                mesh.rank("pp")
+            ]
         )
     held = [local_tensor(p) for p in runner.parameters()]  # a sharded parameter: its shard
     low = AUTOCAST_DTYPES[plan.precision]
