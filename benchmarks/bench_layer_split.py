@@ -2,7 +2,7 @@
 
 Same model (an MLP with uneven layer widths), same chunks (meshsplit's automatic split, handed
 to PyTorch's stages), same micro-batches, same optimizer, 2 local workers with 1 thread each.
-Four schedules, each against the torch schedule that runs the same order of work:
+Five schedules, each against the torch schedule that runs the same kind of work:
 
     meshsplit                   torch                           stages per rank
     gpipe                       ScheduleGPipe                   1
@@ -10,10 +10,13 @@ Four schedules, each against the torch schedule that runs the same order of work
     interleaved, v=2            ScheduleInterleaved1F1B         2 (chunks r and r+p)
     zero-bubble (ZB-H1)         ScheduleInterleavedZeroBubble   1 (its ZB1P at one stage
                                                                    per rank is ZB-H1)
+    zbv (ZB-V)                  ScheduleZBVZeroBubble           2 (chunks r and 2p-1-r;
+                                                                   each library its own order)
 
 gpipe, 1f1b and zero-bubble share one split (1f1b's, pinned with Plan.stages); interleaved
-has its own of p*v chunks. The runs take turns within each round (A B B A across rounds), so a
-slow moment on a shared machine hits all of them; the median round is reported.
+and zbv have their own of 2p chunks. The runs take turns within each round (A B B A across
+rounds), so a slow moment on a shared machine hits all of them; the median round is
+reported.
 
 Prints samples/s, ours/theirs per schedule and each schedule against 1F1B of the same
 library; the bubble, measured on meshsplit's recorded timeline (idle time / compute time,
@@ -42,10 +45,12 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 import meshsplit as ms
 from meshsplit.cli.timeline import Event
+from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.pipeline.schedules import schedule as our_order
 
 from rounds import take_turns
@@ -62,6 +67,7 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "1f1b": (Schedule1F1B, False),
     "interleaved": (ScheduleInterleaved1F1B, True),
     "zero-bubble": (ScheduleInterleavedZeroBubble, True),
+    "zbv": (ScheduleZBVZeroBubble, True),
 }
 """meshsplit schedule -> (the torch schedule class that runs the same order, whether it takes
 a list of stages: the multi-stage classes)."""
@@ -74,12 +80,14 @@ def _theirs(
     micro: int,
     optimizer: Callable[[Any], torch.optim.Optimizer],
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], bool | None]:
-    """torch's `schedule` over this rank's chunks r, r+p, ... of `layers` cut by `sizes`
-    (layers per chunk, as meshsplit cut them, so a difference in time is the runtime's, not
-    the split's): one train step on the global batch, and same_order's verdict."""
+    """torch's `schedule` over this rank's chunks (r, r+p, ...; r and 2p-1-r under zbv) of
+    `layers` cut by `sizes` (layers per chunk, as meshsplit cut them, so a difference in time
+    is the runtime's, not the split's): one train step on the global batch, and same_order's
+    verdict."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    chunks = range(rank, len(sizes), pp)
+    placement = chunk_ranks(pp, len(sizes) // pp, schedule)
+    chunks = [chunk for chunk, held in enumerate(placement) if held == rank]
     modules = [nn.Sequential(*layers[starts[c] : starts[c + 1]]) for c in chunks]
     stages = [
         PipelineStage(module, chunk, len(sizes), torch.device("cpu"))
@@ -109,7 +117,7 @@ def same_order(runner: Any, name: str, micro: int) -> bool | None:
     if not SCHEDULES[name][1]:
         return None
     order = runner.pipeline_order
-    ours = our_order(name, STAGES, micro, VIRTUAL if name == "interleaved" else 1)
+    ours = our_order(name, STAGES, micro, _virtual(name))
     kinds = {"F": "F", "I": "B", "B": "B", "W": "W"}
     for rank, actions in order.items():
         theirs = [
@@ -133,10 +141,15 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01)
 
 
+def _virtual(name: str) -> int:
+    """Chunks per rank of schedule `name`."""
+    return {"interleaved": VIRTUAL, "zbv": 2}.get(name, 1)
+
+
 def _plan(name: str, micro: int, sizes: tuple[int, ...] | None) -> ms.Plan:
     """meshsplit's plan for schedule `name`; `sizes` pins the split (None: profile-balanced),
     so schedules compared with each other run on the same stages."""
-    virtual = VIRTUAL if name == "interleaved" else 1
+    virtual = _virtual(name)
     return ms.Plan(
         pp=STAGES, micro_batches=micro, schedule=name, virtual_stages=virtual, stages=sizes
     )
@@ -203,7 +216,7 @@ def _worker(batch: int, micro: int, steps: int, rounds: int, recorded: int) -> d
     ours = {"1f1b": build("1f1b", None)}
     split = ours["1f1b"].runner.sizes
     ours |= {name: build(name, split) for name in ("gpipe", "zero-bubble")}
-    ours["interleaved"] = build("interleaved", None)
+    ours |= {name: build(name, None) for name in ("interleaved", "zbv")}
     sizes = {name: tuple(ours[name].runner.sizes) for name in SCHEDULES}
     theirs = {
         name: _theirs(name, list(_model().children()), sizes[name], micro, _optimizer)
@@ -230,7 +243,10 @@ def _worker(batch: int, micro: int, steps: int, rounds: int, recorded: int) -> d
 
 def formula(name: str, stages: int, micro: int) -> float:
     """The papers' bubble / compute: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m) interleaved,
-    about (p-1)/(3m) for ZB-H1 (its W fills two thirds of 1F1B's bubble at F = B = W)."""
+    about (p-1)/(3m) for ZB-H1 (its W fills two thirds of 1F1B's bubble at F = B = W), none
+    for ZB-V (its paper's schedule at F = B = W)."""
+    if name == "zbv":
+        return 0.0
     per = {"interleaved": VIRTUAL * micro, "zero-bubble": 3 * micro}.get(name, micro)
     return (stages - 1) / per
 
