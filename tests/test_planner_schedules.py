@@ -257,3 +257,13 @@ def test_a_step_shared_in_time_slices_counts_its_preempted_steps() -> None:
 
     # the median step is 1 ms; the mean over the window is what the workers' sharing costs
     assert _mean_step_s(step, window_s=0.2) > 0.9 * (0.030 + 2 * 0.001) / 3
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"schedule": "zbv"}, {"schedule": "interleaved", "virtual_stages": 2}, {"micro_batches": 2}],
+)
+def test_a_plan_without_a_pipeline_is_one_chunk_whatever_its_schedule(options: dict) -> None:
+    work, machine = _workload(), _machine()
+    plain = predict(work, machine, ms.Plan(micro_batches=options.get("micro_batches", 1)))
+    assert predict(work, machine, ms.Plan(**options)).step_time_s == plain.step_time_s

@@ -170,7 +170,8 @@ class Exchange:
         self.device = device
         self.rank = rank
         """This process's global rank: a message to it stays here (the turn of a 'zbv' V,
-        where one rank runs two consecutive chunks), a copy as the wire would make."""
+        where one rank runs two consecutive chunks), as a copy in its own dtype (nothing
+        travels, so compress_transfers leaves it alone)."""
         self._local: dict[int, deque[tuple[list[torch.Tensor], list[TensorMeta]]]] = {}
         """tag -> the messages this rank sent itself, oldest first."""
         self.wire = wire

@@ -13,7 +13,9 @@ Interleaved 1F1B (Megatron-LM, arXiv 2104.04473) cuts the model into p*v chunks,
 chunks r, r+p, ...; an action names its chunk (`F3:2` is micro-batch 3 through chunk 2). Each
 chunk is 1/v of a stage, so the bubble shrinks to about (p-1)/(v*m+p-1) for more messages.
 Zero bubble (ZB-H1, arXiv 2401.10241) splits backward into B (the input gradient, sent on at
-once) and W (the weight gradient), and runs W late to fill the cool-down's idle ticks.
+once) and W (the weight gradient), and runs W late to fill the cool-down's idle ticks. ZB-V
+(same paper) puts 2p chunks in a V, rank r holding chunks r and 2p-1-r, and fills the ticks
+with B and W at 1F1B's activations (about half ZB-H1's bubble).
 
 Rationale: docs/internals.md#pipelineschedulespy
 """

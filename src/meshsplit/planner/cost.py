@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from meshsplit.memory.recompute import recomputes
 from meshsplit.pipeline.p2p import wire_dtype
-from meshsplit.pipeline.schedules import Schedule, chunk_ranks
+from meshsplit.pipeline.schedules import Schedule
 from meshsplit.plan import Plan
 from meshsplit.planner.dp_cost import dp_bytes, dp_s, reduce_share
 from meshsplit.planner.expert_cost import dispatch_bytes, dispatch_s, held_expert_bytes
@@ -30,6 +30,7 @@ from meshsplit.planner.ps_cost import exchange_s, server_bytes, server_optimizer
 from meshsplit.planner.schedule_cost import (
     WEIGHT_SHARE,
     Interval,
+    chunk_placement,
     chunks_held,
     ends,
     peak_held,
@@ -199,7 +200,7 @@ def _stages(
     stretch = _stretch(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     last = len(sizes) - 1
-    placement = chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)
+    placement = chunk_placement(plan)
     stages = []
     for s in range(len(sizes)):
         run, stage = items[starts[s] : starts[s + 1]], _Stage()

@@ -66,15 +66,28 @@ def _balanced(
     return balance(costs, chunks, trainable, virtual_stages=virtual_stages)
 
 
+def _pipeline(plan: Plan) -> tuple[str, int, int, int]:
+    """(schedule, ranks, micro-batches, chunks per rank) as the runtime runs the plan: without
+    a pipeline one chunk, whatever the schedule says (`stage_sizes` cuts one)."""
+    if plan.pp == 1:
+        return ("1f1b", 1, plan.micro_batches, 1)
+    return (plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+
+
+def chunk_placement(plan: Plan) -> list[int]:
+    """The rank of each chunk (r, r+pp, ... hold rank r; r and 2pp-1-r under 'zbv')."""
+    name, ranks, _, virtual_stages = _pipeline(plan)
+    return chunk_ranks(ranks, virtual_stages, name)
+
+
 def chunks_held(plan: Plan, rank: int) -> list[int]:
-    """The chunks pipeline rank `rank` runs (r, r+pp, ...; r and 2pp-1-r under 'zbv')."""
-    placement = chunk_ranks(plan.pp, plan.virtual_stages, plan.schedule)
-    return [chunk for chunk, held in enumerate(placement) if held == rank]
+    """The chunks pipeline rank `rank` runs."""
+    return [chunk for chunk, held in enumerate(chunk_placement(plan)) if held == rank]
 
 
 def plan_actions(plan: Plan) -> Schedule:
     """Each rank's actions in the order the runtime runs them (`pipeline/schedules.py`)."""
-    return _actions(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+    return _actions(*_pipeline(plan))
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,8 +105,9 @@ def replay(
 ) -> tuple[Interval, ...]:
     """`simulate_pipeline` of the plan's schedule on these chunk times, once per times (ZeRO
     stages and other options that leave them alone share it)."""
-    key = (plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
-    return _replayed(key, tuple(forward_s), tuple(backward_s), tuple(send_s), tuple(weight_s))
+    return _replayed(
+        _pipeline(plan), tuple(forward_s), tuple(backward_s), tuple(send_s), tuple(weight_s)
+    )
 
 
 @functools.lru_cache(maxsize=256)
