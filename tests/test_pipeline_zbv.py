@@ -1,9 +1,10 @@
 """ZB-V: two chunks per rank in a V, backward split into B and W, equal to one process.
 
-The schedule is checked without processes (every action once, no deadlock, 1F1B's
-activations, a smaller bubble than ZB-H1); then the reference transformer, a Hugging Face
-GPT-2 (its tied embedding and head both on rank 0, the V's two ends) and a BatchNorm CNN
-train under pp2, dp2 x pp2 (ZeRO 2 and 3) and pp2 x tp2 against one process.
+The schedule is checked without processes (every action once, no deadlock, 2P chunk
+micro-batches in flight, a smaller bubble than ZB-H1); then the reference transformer, a
+Hugging Face GPT-2 (its tied embedding and head both on rank 0, the V's two ends; in 8 chunks
+its attention mask skips cuts, under zbv and interleaved) and a BatchNorm CNN train under
+pp2, pp4, dp2 x pp2 (ZeRO 2 and 3) and pp2 x tp2 against one process.
 """
 
 from __future__ import annotations
@@ -148,13 +149,29 @@ def test_two_stages_match_single_process() -> None:
         )
 
 
-def _four_process_worker() -> list[tuple[list[float], dict[str, torch.Tensor]]]:
-    return [train_parallel("transformer", "sgd", ms.Plan(**o)) for o in FOUR]
+SKIPS: list[dict[str, Any]] = [
+    {"pp": 4, "micro_batches": 4, **ZBV},
+    {"pp": 4, "micro_batches": 4, "schedule": "interleaved", "virtual_stages": 2},
+]
+"""GPT-2 in 8 chunks: its attention mask, made in one chunk, is read by every later one, so a
+chunk sends to two chunks of one peer and to one of its own rank."""
+
+
+def _four_process_worker() -> dict[str, list[tuple[list[float], dict[str, torch.Tensor]]]]:
+    return {
+        "transformer": [train_parallel("transformer", "sgd", ms.Plan(**o)) for o in FOUR],
+        "gpt2": [train_gpt2(ms.Plan(**o)) for o in SKIPS],
+    }
 
 
 def test_four_processes_match_single_process() -> None:
+    pytest.importorskip("transformers")
     results = ms.launch(_four_process_worker, 4)
     expected = train_single("transformer", "sgd")
     for index, options in enumerate(FOUR):
-        got = [rank[index] for rank in results]
+        got = [rank["transformer"][index] for rank in results]
         assert_matches(got, expected, rtol=RTOL, atol=ATOL, case=str(options))
+    expected = train_gpt2(None)
+    for index, options in enumerate(SKIPS):
+        got = [rank["gpt2"][index] for rank in results]
+        assert_matches(got, expected, rtol=RTOL, atol=ATOL, case=f"GPT-2 {options}")

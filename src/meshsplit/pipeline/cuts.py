@@ -191,29 +191,11 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
             f"{label} exceeds the {len(graph.layers)} layers at the top level of "
             f"{type(model).__name__}, and cutting inside it failed: {blocks_error}"
         )
-    cuts = _from_graph(model, graph, example, plan, agree)
-    if plan.virtual_stages > 1:
-        refuse_skips(cuts.routes, cuts.placement, plan.schedule)
-    return cuts
+    return _from_graph(model, graph, example, plan, agree)
 
 
 def _chunks(plan: Plan) -> int:
     return plan.pp * plan.virtual_stages
-
-
-def refuse_skips(routes: Sequence[Routes], placement: Sequence[int], schedule: str) -> None:
-    """Chunks of a rank holding several may send only to the next chunk: a value that skips
-    one would go between chunks of one rank, or past a rank whose schedule does not wait for
-    it."""
-    for chunk, route in enumerate(routes):
-        for destination, names in route.sends:
-            if destination != chunk + 1:
-                raise PlanError(
-                    f"under schedule={schedule!r} chunk {chunk} (rank {placement[chunk]}) would "
-                    f"send {list(names)} to chunk {destination}, past the next chunk (a skip "
-                    "connection across a cut); use schedule='1f1b' or 'zero-bubble', or cut "
-                    "elsewhere with Plan.stages"
-                )
 
 
 def _from_graph(

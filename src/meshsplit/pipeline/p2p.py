@@ -177,41 +177,42 @@ class Exchange:
         self.wire = wire
         """What floating tensors travel as (see wire_dtype); None: their own dtype."""
         self.pool = BufferPool(device)
-        self.told: dict[tuple[int, Hashable], list[TensorMeta]] = {}
-        """(peer, key) -> the header sent to that peer under that key."""
-        self._heard: dict[tuple[int, Hashable], list[TensorMeta]] = {}
-        self.unheard: Callable[[list[tuple[int, Hashable]]], None] | None = None
-        """Called with the (peer, key) of headers about to be received that were never heard
-        (a simulated run, which has no peers to hear them from, stops there)."""
+        self.told: dict[tuple[int, int, Hashable], list[TensorMeta]] = {}
+        """(peer, tag, key) -> the header sent to that peer under that tag and key."""
+        self._heard: dict[tuple[int, int, Hashable], list[TensorMeta]] = {}
+        self.unheard: Callable[[list[tuple[int, int, Hashable]]], None] | None = None
+        """Called with the (peer, tag, key) of headers about to be received that were never
+        heard (a simulated run, which has no peers to hear them from, stops there)."""
 
     def meta(self, tensor: torch.Tensor) -> TensorMeta:
         """How `tensor` travels from this rank (its dtype, or the wire dtype)."""
         return TensorMeta.of(tensor, self.wire)
 
-    def learn(self, peer: int, key: Hashable, metas: list[TensorMeta]) -> None:
-        """Take the header `peer` sends under `key` as heard (a simulated run has no peer)."""
-        self._heard[(peer, key)] = metas
+    def learn(self, peer: int, tag: int, key: Hashable, metas: list[TensorMeta]) -> None:
+        """Take the header `peer` sends under `tag` and `key` as heard (a simulated run has
+        no peer)."""
+        self._heard[(peer, tag, key)] = metas
 
     def send(
-        self, messages: list[tuple[int, list[torch.Tensor]]], key: Hashable | None, tag: int = 0
+        self, messages: list[tuple[int, int, list[torch.Tensor]]], key: Hashable | None
     ) -> Sending:
-        """Start sending each (peer, tensors) under `tag`, with a header the first time for `key`.
+        """Start sending each (peer, tag, tensors), with a header the first time for `key`.
 
         `key=None` sends no header: the receiver knows the shapes (gradients of what it sent).
         Messages between two ranks arrive in order within a tag; tags keep apart the links of
-        chunks that share a pair of ranks (interleaved schedules).
+        chunks that share a pair of ranks (one per pair of chunks, see `Stage`).
         A tensor that lives in a pool buffer is copied first: the buffer may be reused for
         the next receive while this send is still in flight.
         """
         ops, keep = [], []
-        for peer, tensors in messages:
+        for peer, tag, tensors in messages:
             if peer == self.rank:
                 copies = [t.detach().clone() for t in tensors]
                 self._local.setdefault(tag, deque()).append(
                     (copies, [TensorMeta.of(t) for t in tensors])
                 )
                 continue
-            if key is not None and (peer, key) not in self.told:
+            if key is not None and (peer, tag, key) not in self.told:
                 metas = [self.meta(t) for t in tensors]
                 header = encode(metas).to(self.device)
                 length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
@@ -220,7 +221,7 @@ class Exchange:
                     dist.P2POp(dist.isend, header, peer, tag=tag),
                 ]
                 keep += [length, header]
-                self.told[(peer, key)] = metas
+                self.told[(peer, tag, key)] = metas
             for tensor in tensors:
                 data = tensor.detach()
                 wire = self.meta(data).wire
@@ -231,7 +232,7 @@ class Exchange:
                 ops.append(dist.P2POp(dist.isend, data, peer, tag=tag))
                 keep.append(data)
         works = dist.batch_isend_irecv(ops) if ops else []
-        return Sending(works=works, tensors=keep, peers=[peer for peer, _ in messages])
+        return Sending(works=works, tensors=keep, peers=[peer for peer, _, _ in messages])
 
     def receive(self, sources: list[tuple[int, int, Hashable]]) -> list[Received]:
         """One message from each (peer, tag, key), into pool buffers; learns its header the
@@ -239,21 +240,21 @@ class Exchange:
         unknown = [
             (peer, tag, key)
             for peer, tag, key in sources
-            if (peer, key) not in self._heard and peer != self.rank
+            if (peer, tag, key) not in self._heard and peer != self.rank
         ]
         if unknown:
             if self.unheard is not None:
-                self.unheard([(peer, key) for peer, _, key in unknown])
+                self.unheard(unknown)
             lengths = [torch.empty(1, dtype=torch.int64, device=self.device) for _ in unknown]
             self._wait([(peer, tag, t) for (peer, tag, _), t in zip(unknown, lengths, strict=True)])
             headers = [
                 torch.empty(int(n.item()), dtype=torch.int64, device=self.device) for n in lengths
             ]
             self._wait([(peer, tag, t) for (peer, tag, _), t in zip(unknown, headers, strict=True)])
-            for (peer, _, key), header in zip(unknown, headers, strict=True):
-                self._heard[(peer, key)] = decode(header.cpu())
+            for (peer, tag, key), header in zip(unknown, headers, strict=True):
+                self._heard[(peer, tag, key)] = decode(header.cpu())
         return self.receive_like(
-            [(peer, tag, self._heard.get((peer, key), [])) for peer, tag, key in sources]
+            [(peer, tag, self._heard.get((peer, tag, key), [])) for peer, tag, key in sources]
         )
 
     def receive_like(self, messages: list[tuple[int, int, list[TensorMeta]]]) -> list[Received]:

@@ -172,8 +172,10 @@ class Stage:
     """One chunk of the model on this rank (its stage, unless interleaved) and its traffic
     with the other chunks.
 
-    Messages are tagged by the chunk that sends them, activations 2c and gradients 2c+1, so
-    two chunks of one rank talking to the same peer never take each other's messages.
+    Messages are tagged by the pair of chunks they link, activations from chunk s to chunk d
+    2(s·C + d) and their gradients one more (C chunks), so no two links between one pair of
+    ranks share a tag: a chunk that sends to two chunks of one peer (a value that skips a
+    cut, under interleaving or in a V) never has its messages taken for each other's.
     """
 
     def __init__(
@@ -192,6 +194,7 @@ class Stage:
         self.index = index
         """The chunk: routes and peers count chunks (chunk c runs on peers[c])."""
         self.last = index == stages - 1
+        self.stages = stages
         self.module = module
         """The modules whose parameters this stage trains."""
         self.program = program
@@ -204,6 +207,11 @@ class Stage:
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
         self._fsdp: bool | None = None
+
+    def _tag(self, source: int, destination: int | None = None) -> int:
+        """The tag of activations from chunk `source` to `destination` (default: this one)."""
+        to = self.index if destination is None else destination
+        return 2 * (source * self.stages + to)
 
     def _key(self, x: Any) -> Hashable:
         """What fixes every shape this micro-batch sends: its input's signature and the mode."""
@@ -220,7 +228,7 @@ class Stage:
     ) -> None:
         key = self._key(x)
         messages = self.exchange.receive(
-            [(self.peers[src], 2 * src, (src, key)) for src, _ in self.routes.receives]
+            [(self.peers[src], self._tag(src), key) for src, _ in self.routes.receives]
         )
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
@@ -229,9 +237,11 @@ class Stage:
         values = dict(zip(self.program.made, made, strict=True))
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
         sending = self.exchange.send(
-            [(self.peers[dst], t) for (dst, _), t in zip(self.routes.sends, sent, strict=True)],
-            (self.index, key),
-            tag=2 * self.index,
+            [
+                (self.peers[dst], self._tag(self.index, dst), t)
+                for (dst, _), t in zip(self.routes.sends, sent, strict=True)
+            ],
+            key,
         )
         buffers = [b for message in messages for b in message.lent]
         if y is None:  # inference: nothing to keep for a backward
@@ -265,7 +275,11 @@ class Stage:
         flight = step.in_flight[(self.index, micro)]
         flight.sending.wait()  # the readers have finished this forward: they sent our gradients
         wanted = [
-            (self.peers[dst], 2 * dst + 1, [self.exchange.meta(t) for t in ts if t.requires_grad])
+            (
+                self.peers[dst],
+                self._tag(self.index, dst) + 1,
+                [self.exchange.meta(t) for t in ts if t.requires_grad],
+            )
             for (dst, _), ts in zip(self.routes.sends, flight.sent, strict=True)
         ]
         grads = self.exchange.receive_like([w for w in wanted if w[2]])
@@ -291,10 +305,10 @@ class Stage:
             found = [torch.zeros_like(t) for t in leaves]
         given = iter(found)
         back = [
-            (self.peers[src], [next(given) for t in ts if t.requires_grad])
+            (self.peers[src], self._tag(src) + 1, [next(given) for t in ts if t.requires_grad])
             for (src, _), ts in zip(self.routes.receives, flight.received, strict=True)
         ]
-        sent_back = self.exchange.send([(p, g) for p, g in back if g], None, 2 * self.index + 1)
+        sent_back = self.exchange.send([message for message in back if message[2]], None)
         step.sending.append(sent_back)
         lent = [b for message in grads for b in message.lent]
         if weights_later:  # W reads the graph, its seeds and the received buffers

@@ -30,8 +30,8 @@ from meshsplit.runtime.rank_memory import counting_only
 
 __all__ = ["estimate_memory"]
 
-Headers = dict[int, dict[tuple[int, Any], list[TensorMeta]]]
-"""receiving rank -> {(sending rank, key): what that rank sends under that key}."""
+Headers = dict[int, dict[tuple[int, int, Any], list[TensorMeta]]]
+"""receiving rank -> {(sending rank, tag, key): what that rank sends under that tag and key}."""
 
 
 def estimate_memory(
@@ -193,8 +193,8 @@ def _simulate(
             if isinstance(runner, PipelineRunner):
                 exchange = runner.stage.exchange
                 exchange.unheard = _stop
-                for (sender, key), metas in headers.get(rank, {}).items():
-                    exchange.learn(sender, key, metas)
+                for (sender, tag, key), metas in headers.get(rank, {}).items():
+                    exchange.learn(sender, tag, key, metas)
             engine.memory.track = True
             whole = True
             try:
@@ -205,8 +205,8 @@ def _simulate(
             except _Unheard:
                 whole = False
             if isinstance(runner, PipelineRunner):
-                for (peer, key), metas in runner.stage.exchange.told.items():
-                    headers.setdefault(peer, {})[(rank, key)] = metas
+                for (peer, tag, key), metas in runner.stage.exchange.told.items():
+                    headers.setdefault(peer, {})[(rank, tag, key)] = metas
             engine.close()
             return engine, whole
     finally:
@@ -217,7 +217,7 @@ class _Unheard(Exception):
     """A simulated rank is about to receive a header that no rank simulated so far told."""
 
 
-def _stop(unheard: list[tuple[int, Hashable]]) -> None:
+def _stop(unheard: list[tuple[int, int, Hashable]]) -> None:
     """Stop a simulated rank at a header it cannot hear yet (its sender runs again later)."""
     raise _Unheard(unheard)
 
