@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +184,22 @@ def train_gpt2(plan: ms.Plan | None) -> tuple[list[float], dict[str, torch.Tenso
     state = engine.full_state_dict()
     engine.close()
     return losses, state
+
+
+def assert_each_case(
+    per_rank: list[list[tuple[list[float], dict[str, torch.Tensor]]]],
+    cases: list[dict[str, Any]],
+    expected: tuple[list[float], dict[str, torch.Tensor]],
+    *,
+    rtol: float = RTOL,
+    atol: float = ATOL,
+    label: str = "",
+) -> None:
+    """Every rank's run of each case (its results in `cases`' order) equals the
+    single-process run; a failure names the case."""
+    for index, options in enumerate(cases):
+        got = [results[index] for results in per_rank]
+        assert_matches(got, expected, rtol=rtol, atol=atol, case=f"{label} {options}".strip())
 
 
 def assert_matches(

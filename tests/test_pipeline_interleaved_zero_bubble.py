@@ -14,7 +14,7 @@ import torch
 
 import meshsplit as ms
 
-from reference import assert_matches, train_gpt2, train_parallel, train_single
+from reference import assert_each_case, train_gpt2, train_parallel, train_single
 
 RTOL, ATOL = 1e-4, 1e-5
 INTERLEAVED = {"schedule": "interleaved", "virtual_stages": 2}
@@ -91,19 +91,12 @@ def _four_process_worker() -> list[Any]:
     return [train_parallel("transformer", "sgd", ms.Plan(**options)) for options in FOUR]
 
 
-def _check(results: list[list[Any]], cases: list[dict[str, Any]], expected: Any) -> None:
-    for index, options in enumerate(cases):
-        try:
-            assert_matches([rank[index] for rank in results], expected, rtol=RTOL, atol=ATOL)
-        except AssertionError as error:
-            raise AssertionError(f"{options}: {error}") from error
-
-
 def test_two_stages_match_single_process_and_describe_chunks() -> None:
     pytest.importorskip("transformers")
     per_rank = ms.launch(_two_process_worker, 2)
-    _check([r["transformer"] for r in per_rank], TWO, train_single("transformer", "sgd"))
-    _check([r["gpt2"] for r in per_rank], GPT2, train_gpt2(None))
+    expected = train_single("transformer", "sgd")
+    assert_each_case([r["transformer"] for r in per_rank], TWO, expected, rtol=RTOL, atol=ATOL)
+    assert_each_case([r["gpt2"] for r in per_rank], GPT2, train_gpt2(None), rtol=RTOL, atol=ATOL)
     first = per_rank[0]
     described = first["describe"]
     assert described["chunks"] == {0: [0, 2], 1: [1, 3]}
@@ -123,4 +116,5 @@ def test_two_stages_match_single_process_and_describe_chunks() -> None:
 
 
 def test_four_processes_match_single_process() -> None:
-    _check(ms.launch(_four_process_worker, 4), FOUR, train_single("transformer", "sgd"))
+    results = ms.launch(_four_process_worker, 4)
+    assert_each_case(results, FOUR, train_single("transformer", "sgd"), rtol=RTOL, atol=ATOL)

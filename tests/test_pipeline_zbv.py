@@ -27,7 +27,7 @@ from meshsplit.pipeline.schedules import (
     zero_bubble,
 )
 
-from reference import assert_matches, train_gpt2, train_parallel, train_single
+from reference import assert_each_case, assert_matches, train_gpt2, train_parallel, train_single
 
 RTOL, ATOL = 1e-4, 1e-5
 ZBV = {"schedule": "zbv"}
@@ -132,9 +132,7 @@ def test_two_stages_match_single_process() -> None:
     pytest.importorskip("transformers")
     per_rank = ms.launch(_two_process_worker, 2)
     expected = train_single("transformer", "sgd")
-    for index, options in enumerate(TWO):
-        got = [rank["transformer"][index] for rank in per_rank]
-        assert_matches(got, expected, rtol=RTOL, atol=ATOL, case=str(options))
+    assert_each_case([r["transformer"] for r in per_rank], TWO, expected, rtol=RTOL, atol=ATOL)
     assert_matches([r["gpt2"] for r in per_rank], train_gpt2(None), rtol=RTOL, atol=ATOL)
     one_f_one_b_run, zbv_run = per_rank[0]["batchnorm"]
     assert_matches([zbv_run], one_f_one_b_run, rtol=RTOL, atol=ATOL, case="BatchNorm")
@@ -168,10 +166,6 @@ def test_four_processes_match_single_process() -> None:
     pytest.importorskip("transformers")
     results = ms.launch(_four_process_worker, 4)
     expected = train_single("transformer", "sgd")
-    for index, options in enumerate(FOUR):
-        got = [rank["transformer"][index] for rank in results]
-        assert_matches(got, expected, rtol=RTOL, atol=ATOL, case=str(options))
-    expected = train_gpt2(None)
-    for index, options in enumerate(SKIPS):
-        got = [rank["gpt2"][index] for rank in results]
-        assert_matches(got, expected, rtol=RTOL, atol=ATOL, case=f"GPT-2 {options}")
+    assert_each_case([r["transformer"] for r in results], FOUR, expected, rtol=RTOL, atol=ATOL)
+    gpt2 = [r["gpt2"] for r in results]
+    assert_each_case(gpt2, SKIPS, train_gpt2(None), rtol=RTOL, atol=ATOL, label="GPT-2")

@@ -132,8 +132,8 @@ def zbv(stages: int, micro_batches: int) -> Schedule:
     weights: list[deque[Action]] = [deque() for _ in range(stages)]
     live = [0] * stages
     rows: Schedule = [[] for _ in range(stages)]
-    total = 3 * micro_batches * chunks
-    while sum(map(len, rows)) < total:
+    left = 3 * micro_batches * chunks
+    while left:
         finished = []
         for rank in range(stages):
             action = _zbv_pick(
@@ -153,6 +153,7 @@ def zbv(stages: int, micro_batches: int) -> Schedule:
                 weights[rank].append(Action("W", action.micro, action.chunk))
         if not finished:
             raise AssertionError(f"zbv({stages}, {micro_batches}) stalls")  # no such case
+        left -= len(finished)
         done |= {(a.kind, a.micro, a.chunk or 0) for a in finished}
     return rows
 
