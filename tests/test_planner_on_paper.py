@@ -8,6 +8,7 @@ autocast on this CPU once made the MoE's step on a DGX H100 180 ms of CPU time.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,30 @@ def test_on_paper_no_operator_runs_faster_than_its_launch() -> None:
     terms = predict(_workload(), _machine(paper=True, launch_s=1e-5), ms.Plan()).terms
     loss = (3 + 2) * 4096 * ROWS / 1e12
     assert terms["compute"] == pytest.approx(ITEMS * 3 * OPS * 1e-5 + loss)
-    # more micro-batches launch every operator more often
+    # more micro-batches launch every operator more often, and each after the first adds
+    # its gradients to the stage's (two read, one written, at the memory's bandwidth)
     more = predict(_workload(), _machine(paper=True, launch_s=1e-5), ms.Plan(pp=2, micro_batches=4))
-    assert more.terms["compute"] == pytest.approx(4 * (ITEMS // 2) * 3 * OPS * 1e-5 + loss)
+    accumulate = 3 * 3 * (ITEMS // 2) * 4 * MiB / 1e12
+    assert more.terms["compute"] == pytest.approx(
+        4 * (ITEMS // 2) * 3 * OPS * 1e-5 + loss + accumulate
+    )
+
+
+def test_each_micro_batch_after_the_first_adds_its_gradients_at_the_timed_rate() -> None:
+    timed = replace(_workload(), accumulate_s_per_byte=1e-9)
+    plans = [ms.Plan(pp=2, micro_batches=m) for m in (1, 4)] + [
+        ms.Plan(pp=2, micro_batches=4, schedule="zero-bubble")
+    ]
+    for plan in plans:
+        with_it = predict(timed, _machine(paper=False), plan)
+        without = predict(_workload(), _machine(paper=False), plan)
+        added = (plan.micro_batches - 1) * (ITEMS // 2) * 4 * MiB * 1e-9
+        assert with_it.terms["compute"] - without.terms["compute"] == pytest.approx(added)
+    split = predict(timed, _machine(paper=False), plans[-1])  # W adds, B does not
+    weights = [i.end_s - i.start_s for i in split.intervals if i.kind == "W"]
+    plain = predict(_workload(), _machine(paper=False), plans[-1])
+    plain_weights = [i.end_s - i.start_s for i in plain.intervals if i.kind == "W"]
+    assert sum(weights) - sum(plain_weights) == pytest.approx(2 * 3 * (ITEMS // 2) * 4 * MiB * 1e-9)
 
 
 def test_the_moe_under_bf16_on_a_dgx_is_priced_by_its_operators_not_this_cpu() -> None:

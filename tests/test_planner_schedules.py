@@ -20,9 +20,9 @@ from meshsplit.pipeline.schedules import schedule
 from meshsplit.planner.cost import Prediction, predict
 from meshsplit.planner.explain import reason
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
-from meshsplit.planner.schedule_cost import simulate_pipeline
+from meshsplit.planner.schedule_cost import shared_slowdowns, simulate_pipeline
 from meshsplit.planner.search import search
-from meshsplit.planner.sharing import _mean_step_s, _message_s_matching
+from meshsplit.planner.sharing import Bursts, _mean_step_s, _message_s_matching
 from meshsplit.planner.workload import Item, Line, Workload
 
 MiB = 2**20
@@ -223,16 +223,34 @@ def test_zero_bubble_holds_the_gradients_w_reads_from_b_until_w() -> None:
 
 def test_a_message_is_priced_at_what_makes_the_replay_last_as_long_as_the_real_pipeline() -> None:
     plan = ms.Plan(pp=4, micro_batches=8)
-    forward, backward = 3e-4, 6e-4
+    forward, backward, together = 3e-4, 6e-4, 2.2  # four workers on two cores
+    slowdown = shared_slowdowns(together, 4, 2, 1)
 
     def lasts(message_s: float) -> float:
         stages = [forward] * 4, [backward] * 4, [message_s] * 4, [0.0] * 4
-        return max(i.end_s for i in simulate_pipeline(schedule("1f1b", 4, 8), *stages))
+        actions = schedule("1f1b", 4, 8)
+        return max(i.end_s for i in simulate_pipeline(actions, *stages, slowdown))
 
     for message_s in (1e-4, 8e-4):
-        found = _message_s_matching(plan, forward, backward, lasts(message_s))
-        assert found == pytest.approx(message_s, rel=1e-6)
-    assert _message_s_matching(plan, forward, backward, lasts(0.0) / 2) == 0.0
+        bursts = Bursts(forward, backward, together, lasts(message_s))
+        assert _message_s_matching(plan, bursts, cores=2) == pytest.approx(message_s, rel=1e-6)
+    bursts = Bursts(forward, backward, together, lasts(0.0) / 2)
+    assert _message_s_matching(plan, bursts, cores=2) == 0.0
+
+
+def test_idle_pipeline_ranks_lend_their_cores_to_the_busy_ones() -> None:
+    """Two busy ranks of four on two cores run at full speed (times the crowd's cost per
+    core-second); four busy share the cores; a rank waiting for a message takes none."""
+    assert shared_slowdowns(2.2, 4, 2, 1) == pytest.approx([1.1, 1.1, 1.65, 2.2])
+    assert shared_slowdowns(2.2, 4, 2, 2) == pytest.approx([1.1, 2.2])  # each rank is 2 replicas
+    assert shared_slowdowns(1.5, 4, 2, 1)[0] == 1.0  # never faster than alone
+    actions = schedule("gpipe", 4, 1)  # one micro-batch: one rank busy at a time
+    stages = [1.0] * 4, [1.0] * 4, [0.0] * 4
+    alone = simulate_pipeline(actions, *stages, None, shared_slowdowns(2.2, 4, 2, 1))
+    assert max(i.end_s for i in alone) == pytest.approx(8 * 1.1)
+    many = schedule("gpipe", 2, 8)  # both ranks busy most of the time, each at 2/2 cores
+    shared = simulate_pipeline(many, [1.0] * 2, [1.0] * 2, [0.0] * 2, None, [1.0, 1.0])
+    assert max(i.end_s for i in shared) == pytest.approx(18.0)  # as on a core each
 
 
 def test_a_link_timed_over_workers_that_fill_the_cores_is_not_stretched_twice() -> None:

@@ -253,7 +253,9 @@ def with_sharing(
     if machine.cores is None or devices < 2:
         return machine
     workers = min(devices, MEASURED_WORKERS)
-    sharing = measure_sharing(model, batch, workers, optimizer=optimizer, loss_fn=loss_fn)
+    sharing = measure_sharing(
+        model, batch, workers, cores=machine.cores, optimizer=optimizer, loss_fn=loss_fn
+    )
     return replace(
         machine,
         compute_slowdown={

@@ -16,7 +16,6 @@ Rationale: docs/internals.md#plannercostpy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshsplit.memory.recompute import recomputes
@@ -40,8 +39,14 @@ from meshsplit.planner.schedule_cost import (
     stage_sizes,
 )
 from meshsplit.planner.schedule_cost import simulate_pipeline as simulate_pipeline
-from meshsplit.planner.step_extras import loss_s, optimizer_s_per_byte, overhead_s
-from meshsplit.planner.workload import Item, Traffic, Workload
+from meshsplit.planner.shared_cores import stage_message_s, stretch_of, time_shared, traffic_s
+from meshsplit.planner.step_extras import (
+    accumulate_s_per_byte,
+    loss_s,
+    optimizer_s_per_byte,
+    overhead_s,
+)
+from meshsplit.planner.workload import Item, Workload
 
 __all__: list[str] = []
 
@@ -84,40 +89,6 @@ def rows_per_micro_batch(plan: Plan, global_rows: int) -> float:
     return global_rows / (plan.dp * plan.micro_batches)
 
 
-def _traffic_s(
-    machine: Machine, traffic: Sequence[Traffic], rows: float, width: int, stretch: float
-) -> float:
-    """An item's blocking collectives over tp: alpha + bytes/beta each, and at least what
-    one costs in lockstep on a host whose workers are all busy (in unstretched time)."""
-    if width <= 1:
-        return 0.0
-    total = 0.0
-    lockstep = machine.lockstep_s.get(width, 0.0) / stretch
-    for t in traffic:
-        link = machine.link(t.operation, width)
-        total += t.calls * max(link.alpha_s, lockstep) + t.bytes_per_row * rows / link.bytes_per_s
-    return total
-
-
-def _message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
-    """One activation (or its gradient) to the next stage: the link's price, or at least
-    what a message to a waiting rank measured with this many workers (in unstretched time:
-    the step is stretched by the cores' sharing afterwards)."""
-    link = machine.seconds("send_recv", 2, nbytes)
-    if plan.world_size not in machine.message_s:
-        return link
-    loaded = machine.message_s[plan.world_size] / _stretch(machine, plan)
-    return max(link, loaded + nbytes / machine.link("send_recv", 2).bytes_per_s)
-
-
-def _stretch(machine: Machine, plan: Plan) -> float:
-    """How much the whole step stretches when the plan's workers fill the host's cores (not
-    its parameter servers: they wait in a receive while the workers compute)."""
-    if machine.cores is not None and plan.mesh_size >= machine.cores:
-        return machine.slowdown(plan.mesh_size)
-    return 1.0
-
-
 def _compute_s(machine: Machine, item: Item, rows: float, backward: bool) -> float:
     if machine.flop_per_s is not None:  # small kernels wait for the host to launch them
         flops = item.backward_flops_per_row if backward else item.forward_flops_per_row
@@ -135,6 +106,9 @@ class _Stage:
     ep_forward_s: float = 0.0
     ep_backward_s: float = 0.0
     recompute_s: float = 0.0
+    accumulate_s: float = 0.0
+    """Adding this micro-batch's weight gradients to the earlier ones' (none for the first:
+    a step of m pays m - 1, spread over its m backwards)."""
     send_s: float = 0.0
     """One boundary message to the next stage (activation forward, same bytes back)."""
     reduced_bytes: float = 0.0
@@ -165,12 +139,14 @@ class _Stage:
 
     @property
     def b(self) -> float:
-        return self.backward_s + self.tp_backward_s + self.ep_backward_s + self.recompute_s
+        backward = self.backward_s + self.tp_backward_s + self.ep_backward_s
+        return backward + self.recompute_s + self.accumulate_s
 
     def weight_s(self, split: bool) -> float:
-        """W of one micro-batch: the weight-gradient share of the backward's compute when
-        the schedule runs it apart (then B is the rest), else nothing."""
-        return WEIGHT_SHARE * self.backward_s if split else 0.0
+        """W of one micro-batch: the weight-gradient share of the backward's compute, and
+        their accumulation, when the schedule runs it apart (then B is the rest), else
+        nothing."""
+        return WEIGHT_SHARE * self.backward_s + self.accumulate_s if split else 0.0
 
     def gradients(self) -> dict[str, float]:
         """What the dp gradient sync moves of this stage, as `dp_cost.py` takes it."""
@@ -197,7 +173,7 @@ def _stages(
 ) -> list[_Stage]:
     """Each chunk's (each stage's, one chunk per rank) costs per micro-batch and bytes."""
     items = workload.items[plan.tp]
-    stretch = _stretch(machine, plan)
+    stretch = stretch_of(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     last = len(sizes) - 1
     placement = chunk_placement(plan)
@@ -207,10 +183,8 @@ def _stages(
         for item in run:
             stage.forward_s += _compute_s(machine, item, rows, backward=False)
             stage.backward_s += _compute_s(machine, item, rows, backward=True)
-            stage.tp_forward_s += _traffic_s(machine, item.forward_traffic, rows, plan.tp, stretch)
-            stage.tp_backward_s += _traffic_s(
-                machine, item.backward_traffic, rows, plan.tp, stretch
-            )
+            stage.tp_forward_s += traffic_s(machine, item.forward_traffic, rows, plan.tp, stretch)
+            stage.tp_backward_s += traffic_s(machine, item.backward_traffic, rows, plan.tp, stretch)
             stage.tp_bytes += rows * sum(
                 t.bytes_per_row for t in (*item.forward_traffic, *item.backward_traffic)
             )
@@ -237,7 +211,11 @@ def _stages(
             stage.send_bytes = _message_bytes(run[-1], plan) * rows
             # the turn of a 'zbv' V hands a chunk's output to the same rank
             local = placement[s] == placement[s + 1]
-            stage.send_s = 0.0 if local else _message_s(machine, plan, stage.send_bytes)
+            stage.send_s = 0.0 if local else stage_message_s(machine, plan, stage.send_bytes)
+        later = (plan.micro_batches - 1) / plan.micro_batches
+        stage.accumulate_s = (
+            later * stage.trainable_bytes * accumulate_s_per_byte(workload, machine)
+        )
         dense = stage.trainable_bytes - stage.expert_trainable_bytes
         stage.reduced_bytes = dense * reduce_share(plan)
         stage.expert_reduced_bytes = stage.expert_trainable_bytes * reduce_share(plan)
@@ -289,12 +267,19 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
     overhead = overhead_s(workload, machine)
     path = max(total for total, _, _ in totals) + overhead
+    stretch = stretch_of(machine, plan)
+    step = path * stretch  # every core busy: waits and work all stretch
+    if stretch > 1.0 and plan.pp > 1:  # ...but a pipeline's idle ranks lend their cores
+        intervals = time_shared(machine, plan, times, stretch)
+        shared = ends(intervals, plan.pp)
+        ends_s = [end + (dp_s + step_s) * stretch for end, (_, dp_s, step_s) in zip(
+            shared, totals, strict=True)]  # fmt: skip
+        step = max(ends_s) + overhead * stretch
     # every worker's work, and the servers' optimizer steps (a worker steps none under ps)
     work = sum(
         m * (st.f + st.b) + t[1] + t[2] * (not ps) for st, t in zip(stages, totals, strict=True)
     )
     busy = work * plan.dp * plan.tp + plan.server_count * totals[0][2]
-    step = path * _stretch(machine, plan)  # every core busy: waits and work all stretch
     if machine.cores is not None:
         slowdown = machine.slowdown(plan.mesh_size)
         step = max(step, busy * slowdown / plan.mesh_size + overhead)
@@ -304,7 +289,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     pp_wait = max(0.0, finish[critical] - finish_quiet[critical])
     own = m * (st.f + st.b) + pp_wait + dp_exposed + optimizer
     terms = {
-        "compute": m * (st.forward_s + st.backward_s),
+        "compute": m * (st.forward_s + st.backward_s + st.accumulate_s),
         "recompute": m * st.recompute_s,
         "communication_tp": m * (st.tp_forward_s + st.tp_backward_s),
         "communication_pp": pp_wait,
@@ -344,7 +329,7 @@ def _sync_s(
     and its own optimizer step (1/dp of it under zero), or under sync='ps' the push and pull
     to the servers and the servers' optimizer step (`ps_cost.py`)."""
     if plan.sync == "ps":
-        loaded = machine.message_s.get(plan.world_size, 0.0) / _stretch(machine, plan)
+        loaded = machine.message_s.get(plan.world_size, 0.0) / stretch_of(machine, plan)
         pushed, trainable = st.reduced_bytes, float(st.trainable_bytes)
         return (
             exchange_s(machine, plan, pushed=pushed, trainable=trainable, message_s=loaded),

@@ -206,7 +206,7 @@ def _whole_step(
     with torch.no_grad(), autocast_of(engine):
         output = call_model(engine.module, inputs)  # what the loss reads, made once
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
-    steps, optimizer_s, loss_s = [], [], []
+    steps, optimizer_s, accumulate_s, loss_s = [], [], [], []
     for _ in range(repeats + 1):
         started = time.perf_counter()
         engine.train_step(inputs, targets)
@@ -219,6 +219,7 @@ def _whole_step(
         started = time.perf_counter()
         engine.optimizer.step()
         optimizer_s.append(time.perf_counter() - started)
+        accumulate_s.append(_time_accumulate(trainable))
         for p, grad in zip(trainable, kept, strict=True):
             p.grad = grad
         loss_s.append(_time_loss(engine, output, targets))
@@ -234,9 +235,21 @@ def _whole_step(
         "loss_backward": Line.per_row(loss_backward / n),
         "optimizer_s_per_byte": statistics.median(optimizer_s[1:]) / max(1, parameter_bytes),
         "optimizer_state_per_byte": state / max(1, parameter_bytes),
+        "accumulate_s_per_byte": statistics.median(accumulate_s[1:]) / max(1, parameter_bytes),
         "step_overhead_s": max(0.0, statistics.median(steps[1:]) - parts),
         "parameter_bytes": tensor_bytes([*model.parameters(), *model.buffers()]),
     }
+
+
+def _time_accumulate(trainable: list[nn.Parameter]) -> float:
+    """Seconds to add one more micro-batch's gradients to every parameter's (autograd's
+    accumulation: each gradient read twice and written once; the new one is `.grad` too)."""
+    started = time.perf_counter()
+    with torch.no_grad():
+        for p in trainable:
+            assert p.grad is not None, "the caller gave every parameter a gradient"
+            p.grad.add_(p.grad)
+    return time.perf_counter() - started
 
 
 def _time_loss(engine: Engine, output: Any, targets: Any) -> tuple[float, float]:

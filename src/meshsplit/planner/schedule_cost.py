@@ -14,6 +14,7 @@ Rationale: docs/planner.md#schedules-and-parameter-servers
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,11 +103,17 @@ def replay(
     backward_s: Sequence[float],
     send_s: Sequence[float],
     weight_s: Sequence[float],
+    slowdown: Sequence[float] | None = None,
 ) -> tuple[Interval, ...]:
     """`simulate_pipeline` of the plan's schedule on these chunk times, once per times (ZeRO
     stages and other options that leave them alone share it)."""
     return _replayed(
-        _pipeline(plan), tuple(forward_s), tuple(backward_s), tuple(send_s), tuple(weight_s)
+        _pipeline(plan),
+        tuple(forward_s),
+        tuple(backward_s),
+        tuple(send_s),
+        tuple(weight_s),
+        None if slowdown is None else tuple(slowdown),
     )
 
 
@@ -117,9 +124,11 @@ def _replayed(
     backward_s: tuple[float, ...],
     send_s: tuple[float, ...],
     weight_s: tuple[float, ...],
+    slowdown: tuple[float, ...] | None,
 ) -> tuple[Interval, ...]:
     """The cached body of `replay`: its arguments hashable."""
-    return tuple(simulate_pipeline(_actions(*key), forward_s, backward_s, send_s, weight_s))
+    actions = _actions(*key)
+    return tuple(simulate_pipeline(actions, forward_s, backward_s, send_s, weight_s, slowdown))
 
 
 def splits_backward(actions: Schedule) -> bool:
@@ -133,13 +142,18 @@ def simulate_pipeline(
     backward_s: Sequence[float],
     send_s: Sequence[float],
     weight_s: Sequence[float] | None = None,
+    slowdown: Sequence[float] | None = None,
 ) -> list[Interval]:
     """Run each rank's action list in order, with times per chunk: F(c, j) after F(c-1, j)
     and the message from chunk c-1, B(c, j) after B(c+1, j) and its message back (the last
-    chunk after its own F(c, j)), W(c, j) after B(c, j). A rank's only chunk is its own index."""
+    chunk after its own F(c, j)), W(c, j) after B(c, j). A rank's only chunk is its own index.
+    With `slowdown` (its [n - 1]: how much slower each of n ranks computing at once runs),
+    the ranks share the host's cores (`_time_shared`)."""
     chunks = len(forward_s)
     weights = [0.0] * chunks if weight_s is None else weight_s
     lengths = {"F": forward_s, "B": backward_s, "W": weights}
+    if slowdown is not None:
+        return _time_shared(actions, lengths, send_s, slowdown)
     done: dict[tuple[int, str, int], float] = {}
     clock, position = [0.0] * len(actions), [0] * len(actions)
     intervals: list[Interval] = []
@@ -149,11 +163,9 @@ def simulate_pipeline(
         for rank, row in enumerate(actions):
             while position[rank] < len(row):
                 action = row[position[rank]]
-                c = rank if action.chunk is None else action.chunk
-                before, delay = _after(action, c, chunks, send_s)
-                if before is not None and before not in done:
+                c, ready = _next(action, rank, chunks, send_s, done)
+                if ready is None:
                     break
-                ready = done[before] + delay if before is not None else 0.0
                 start = max(clock[rank], ready)
                 clock[rank] = start + lengths[action.kind][c]
                 done[(c, action.kind, action.micro)] = clock[rank]
@@ -168,12 +180,89 @@ def simulate_pipeline(
     return intervals
 
 
+def _time_shared(
+    actions: Schedule,
+    lengths: dict[str, Sequence[float]],
+    send_s: Sequence[float],
+    slowdown: Sequence[float],
+) -> list[Interval]:
+    """`simulate_pipeline` on a host whose cores the ranks share: while n ranks compute, each
+    runs at 1/slowdown[n - 1] of its own speed, and a rank waiting for a message takes no core
+    (so a pipeline's idle ranks lend theirs to the busy ones). Messages take their time."""
+    chunks = len(lengths["F"])
+    done: dict[tuple[int, str, int], float] = {}
+    position = [0] * len(actions)
+    running: dict[int, tuple[Action, int, float, float]] = {}  # rank: action, chunk, start, left
+    intervals: list[Interval] = []
+    now, remaining = 0.0, sum(len(a) for a in actions)
+    while remaining:
+        arrival = math.inf  # the next message that lets a waiting rank start
+        for rank, row in enumerate(actions):
+            if rank in running or position[rank] == len(row):
+                continue
+            action = row[position[rank]]
+            c, ready = _next(action, rank, chunks, send_s, done)
+            if ready is None:
+                continue
+            if ready > now:
+                arrival = min(arrival, ready)
+                continue
+            running[rank] = (action, c, now, lengths[action.kind][c])
+        if not running:
+            if arrival == math.inf:
+                raise ValueError("the schedule waits on an action that never runs")
+            now = arrival
+            continue
+        rate = 1.0 / slowdown[len(running) - 1]
+        elapsed = min(min(left for *_, left in running.values()) / rate, arrival - now)
+        now += elapsed
+        for rank, (action, c, start, left) in list(running.items()):
+            left -= elapsed * rate
+            if left > _FINISHED_S:
+                running[rank] = (action, c, start, left)
+                continue
+            del running[rank]
+            done[(c, action.kind, action.micro)] = now
+            intervals.append(Interval(rank, action.kind, action.micro, start, now, action.chunk))
+            position[rank] += 1
+            remaining -= 1
+    return intervals
+
+
+_FINISHED_S = 1e-12
+"""Work left below this (seconds) is done: what rounding leaves of an action's time."""
+
+
+def shared_slowdowns(full: float, workers: int, cores: int, width: int) -> list[float]:
+    """[n - 1]: how much slower each of n busy pipeline ranks (each one of `width` replicas)
+    computes than alone, when `workers` processes on `cores` cores slow a step by `full`
+    while all compute: the cores split among the busy (a waiting rank takes none), and every
+    core-second goes as far as it does in that crowd (switching, shared caches)."""
+    crowd = full / max(1.0, workers / cores)
+    return [max(1.0, crowd * n * width / cores, crowd) for n in range(1, workers // width + 1)]
+
+
 def ends(intervals: Sequence[Interval], ranks: int) -> list[float]:
     """When each rank's last action ends, in one pass (the search prices thousands)."""
     finish = [0.0] * ranks
     for interval in intervals:
         finish[interval.stage] = max(finish[interval.stage], interval.end_s)
     return finish
+
+
+def _next(
+    action: Action,
+    rank: int,
+    chunks: int,
+    send_s: Sequence[float],
+    done: dict[tuple[int, str, int], float],
+) -> tuple[int, float | None]:
+    """The chunk `action` runs on, and when its input is there (None: not made yet)."""
+    chunk = rank if action.chunk is None else action.chunk
+    before, delay = _after(action, chunk, chunks, send_s)
+    if before is None:
+        return chunk, 0.0
+    return chunk, done[before] + delay if before in done else None
 
 
 def _after(

@@ -25,7 +25,7 @@ from meshsplit.job.worker import threads_per_worker
 from meshsplit.mesh import job_timeout
 from meshsplit.pipeline.schedules import Action
 from meshsplit.plan import Plan
-from meshsplit.planner.schedule_cost import plan_actions, simulate_pipeline
+from meshsplit.planner.schedule_cost import plan_actions, shared_slowdowns, simulate_pipeline
 from meshsplit.runtime.parallelize import OptimizerFactory
 
 __all__: list[str] = []
@@ -51,11 +51,12 @@ def measure_sharing(
     batch: tuple[Any, Any],
     workers: int,
     *,
+    cores: int,
     optimizer: OptimizerFactory | None = None,
     loss_fn: LossFn | None = None,
     window_s: float = 0.4,
 ) -> Sharing:
-    """How `workers` processes on this host slow each other down, for this model.
+    """How `workers` processes on this host's `cores` slow each other down, for this model.
 
     A matmul loop understates the slowdown (a step is many small ops), and an idle pair of
     ranks understates what a message or a collective costs when the ranks compete for cores.
@@ -64,7 +65,9 @@ def measure_sharing(
     alone, sizes = results[0][0], results[0][3]
     return Sharing(
         slowdown=max(1.0, max(r[1] for r in results) / alone),
-        message_s=max(r[2] for r in results),
+        message_s=_message_s_matching(
+            Plan(pp=workers, micro_batches=2 * workers), results[0][2], cores
+        ),
         lockstep_s={size: max(r[3][size] for r in results) for size in sizes},
     )
 
@@ -75,17 +78,17 @@ def _plain_steps(
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
     window_s: float,
-) -> tuple[float, float, float, dict[int, float]]:
+) -> tuple[float, float, Bursts, dict[int, float]]:
     """Runs in each worker: rank 0's step time alone while the others wait in a barrier (in
     the job, so no process outside it is still starting or ending), every rank's with all
-    of them stepping at once, the seconds of a pipeline's message, and of a collective in
-    lockstep."""
+    of them stepping at once, a pipeline's bursts and how long it lasted, and the seconds of a
+    collective in lockstep."""
     workers = dist.get_world_size()
     step = _plain_step(model, batch, optimizer, loss_fn, workers)
     alone = _mean_step_s(step, window_s) if not dist.get_rank() else 0.0
     dist.barrier()  # the others start together: without it the first would step alone
     together = _mean_step_s(step, window_s)
-    return alone, together, _pipeline_message_s(), _lockstep_s()
+    return alone, together, _pipeline_bursts(), _lockstep_s()
 
 
 def _plain_step(
@@ -129,29 +132,38 @@ def _mean_step_s(step: Callable[[], None], window_s: float) -> float:
     return (time.perf_counter() - started) / count
 
 
-def _pipeline_message_s(rounds: int = 10) -> float:
-    """Seconds per message that the cost model's replay of a 1F1B pipeline over every rank
-    needs to reproduce that pipeline run for real, with bursts of work as its stages.
+@dataclass(frozen=True)
+class Bursts:
+    """A pipeline of every worker, with bursts of work as its stages, run for real: what the
+    cost model's replay of it must reproduce (`_message_s_matching`)."""
+
+    forward_s: float
+    """One forward burst on a rank computing alone."""
+    backward_s: float
+    slowdown: float
+    """How much longer a burst takes when every rank computes one at once."""
+    measured_s: float
+    """The pipeline's step, median of rounds, on the slowest rank."""
+
+
+def _pipeline_bursts(rounds: int = 10) -> Bursts:
+    """A 1F1B pipeline over every rank, its stages bursts of work, timed with real messages.
 
     A message between stages costs more than its bytes here: the receiver sleeps, and the
     sender's transport thread and the receiver must each get a core back from the other
     workers' compute. A message around an idle ring misses most of that; this measures it
-    where it happens, and in the units the replay prices (stretched, as every burst is when
-    all workers compute).
+    where it happens.
     """
     world = dist.get_world_size()
-    if world == 1:
-        return 0.0
     plan = Plan(pp=world, micro_batches=2 * world)
     rank, work = dist.get_rank(), torch.randn(128, 128)
     activation = torch.zeros(8192)  # 32 KiB each way, about a small model's boundary
     actions = plan_actions(plan)[rank]
+    burst = _FORWARD_MATMULS + _BACKWARD_MATMULS
     dist.barrier()
-    started = time.perf_counter()
-    for _ in range(rounds):
-        _matmuls(work, _FORWARD_MATMULS + _BACKWARD_MATMULS)
-    together = (time.perf_counter() - started) / rounds  # every rank at once, no messages
-    forward_s = together * _FORWARD_MATMULS / (_FORWARD_MATMULS + _BACKWARD_MATMULS)
+    alone = torch.tensor([_burst_s(work, burst, rounds) if not rank else 0.0])
+    dist.broadcast(alone, 0)  # rank 0's, the others waiting here
+    together = _burst_s(work, burst, rounds)  # every rank at once, no messages
     steps = []
     for _ in range(rounds):
         dist.barrier()
@@ -160,8 +172,18 @@ def _pipeline_message_s(rounds: int = 10) -> float:
         elapsed = torch.tensor([time.perf_counter() - started])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         steps.append(float(elapsed))
-    measured = statistics.median(steps)
-    return _message_s_matching(plan, forward_s, together - forward_s, measured)
+    forward_s = float(alone) * _FORWARD_MATMULS / burst
+    return Bursts(
+        forward_s, float(alone) - forward_s, together / float(alone), statistics.median(steps)
+    )
+
+
+def _burst_s(work: torch.Tensor, matmuls: int, rounds: int) -> float:
+    """Seconds of one burst, the mean of `rounds`."""
+    started = time.perf_counter()
+    for _ in range(rounds):
+        _matmuls(work, matmuls)
+    return (time.perf_counter() - started) / rounds
 
 
 _FORWARD_MATMULS, _BACKWARD_MATMULS = 3, 6
@@ -187,22 +209,25 @@ def _run_pipeline(
             send.wait()
 
 
-def _message_s_matching(plan: Plan, forward_s: float, backward_s: float, measured: float) -> float:
-    """The per-message seconds at which the cost model's replay of `plan` (these burst
-    times on every stage) lasts `measured`: 0 when even free messages do not reach it
-    (bisection; `simulate_pipeline` directly, leaving the planner's replay cache alone)."""
+def _message_s_matching(plan: Plan, bursts: Bursts, cores: int) -> float:
+    """The per-message seconds at which the cost model's replay of `plan` (these bursts on
+    every stage, the ranks sharing the cores as the cost model shares them) lasts as long as
+    measured: 0 when even free messages do not reach it (bisection; `simulate_pipeline`
+    directly, leaving the planner's replay cache alone)."""
     actions = plan_actions(plan)
+    slowdown = shared_slowdowns(bursts.slowdown, plan.pp, cores, 1)
 
     def replayed(message_s: float) -> float:
-        stages = [forward_s] * plan.pp, [backward_s] * plan.pp, [message_s] * plan.pp
-        return max(i.end_s for i in simulate_pipeline(actions, *stages))
+        stages = [bursts.forward_s] * plan.pp, [bursts.backward_s] * plan.pp
+        messages = [message_s] * plan.pp
+        return max(i.end_s for i in simulate_pipeline(actions, *stages, messages, None, slowdown))
 
-    low, high = 0.0, measured
-    if replayed(low) >= measured:
+    low, high = 0.0, bursts.measured_s
+    if replayed(low) >= bursts.measured_s:
         return 0.0
     for _ in range(40):
         middle = (low + high) / 2
-        low, high = (middle, high) if replayed(middle) < measured else (low, middle)
+        low, high = (middle, high) if replayed(middle) < bursts.measured_s else (low, middle)
     return low
 
 

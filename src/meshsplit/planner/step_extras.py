@@ -1,4 +1,5 @@
-"""What runs around a step's items: the loss, the optimizer step and the engine's bookkeeping.
+"""What runs around a step's items: the loss, gradient accumulation, the optimizer step and
+the engine's bookkeeping.
 
 On this host each is timed (`measure.py`); on paper (a cluster this machine is not) the loss
 and the optimizer are memory-bound work priced as the bytes they stream at the device's
@@ -36,6 +37,18 @@ def optimizer_s_per_byte(workload: Workload, machine: Machine) -> float:
     if machine.memory_bytes_per_s is None:
         return workload.optimizer_s_per_byte
     return (3 + 2 * workload.optimizer_state_per_byte) / machine.memory_bytes_per_s
+
+
+ACCUMULATE_PASSES = 3
+"""Paper mode: bytes an accumulation streams per gradient byte (two read, one written)."""
+
+
+def accumulate_s_per_byte(workload: Workload, machine: Machine) -> float:
+    """Seconds per gradient byte to add one micro-batch's gradients to the sum so far:
+    timed on this host, or on paper at the device's memory bandwidth."""
+    if machine.memory_bytes_per_s is None:
+        return workload.accumulate_s_per_byte
+    return ACCUMULATE_PASSES / machine.memory_bytes_per_s
 
 
 def overhead_s(workload: Workload, machine: Machine) -> float:

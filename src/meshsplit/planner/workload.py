@@ -103,6 +103,9 @@ class Workload:
     """Seconds of optimizer.step per byte of parameters it updates."""
     optimizer_state_per_byte: float
     """Bytes of optimizer state per byte of parameters (Adam: 2, SGD with momentum: 1)."""
+    accumulate_s_per_byte: float = 0.0
+    """Seconds per byte of parameters to add a micro-batch's gradients to those of the
+    micro-batches before it (autograd's accumulation, m - 1 times a step of m)."""
     step_overhead_s: float = 0.0
     """What a whole step takes beyond its items, loss and optimizer (engine bookkeeping)."""
     global_rows: int
