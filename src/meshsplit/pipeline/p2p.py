@@ -9,7 +9,7 @@ so a timeline shows where a stage sits idle. Rationale: docs/internals.md#pipeli
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +151,14 @@ class Sending:
 
 
 @dataclass(frozen=True)
+class _Posted:
+    """A receive started ahead: the pool buffers it fills and its works."""
+
+    buffers: list[torch.Tensor]
+    works: list[dist.Work]
+
+
+@dataclass(frozen=True)
 class Received:
     """One message: its tensors, with what the sender said about them, and the pool buffers
     they still occupy (give them back once nothing reads them; a tensor cast back from its
@@ -183,6 +191,8 @@ class Exchange:
         self.unheard: Callable[[list[tuple[int, int, Hashable]]], None] | None = None
         """Called with the (peer, tag, key) of headers about to be received that were never
         heard (a simulated run, which has no peers to hear them from, stops there)."""
+        self._posted: dict[tuple[int, int], deque[tuple[list[TensorMeta], _Posted]]] = {}
+        """(peer, tag) -> receives started ahead of time (`post`), oldest first."""
 
     def meta(self, tensor: torch.Tensor) -> TensorMeta:
         """How `tensor` travels from this rank (its dtype, or the wire dtype)."""
@@ -234,6 +244,30 @@ class Exchange:
         works = dist.batch_isend_irecv(ops) if ops else []
         return Sending(works=works, tensors=keep, peers=[peer for peer, _, _ in messages])
 
+    def known(
+        self, sources: list[tuple[int, int, Hashable]]
+    ) -> list[tuple[int, int, list[TensorMeta]]] | None:
+        """What one message from each (peer, tag, key) holds, where every header is heard
+        (None: one is not yet; a message from this rank itself needs none)."""
+        remote = [(peer, tag, key) for peer, tag, key in sources if peer != self.rank]
+        if any(source not in self._heard for source in remote):
+            return None
+        return [(peer, tag, self._heard[(peer, tag, key)]) for peer, tag, key in remote]
+
+    def post(self, messages: list[tuple[int, int, list[TensorMeta]]]) -> None:
+        """Start receiving each (peer, tag) message now, into pool buffers, for the receive
+        that will ask for it: it lands while this rank computes, instead of starting when the
+        rank is ready to wait (a message's transfer then needs both ranks' transport threads
+        to get a core, milliseconds on busy cores). Post in the order the receives ask: one
+        tag's messages match receives in the order they are posted."""
+        for peer, tag, metas in messages:
+            if peer == self.rank or not metas:
+                continue
+            buffers = [self.pool.take(meta) for meta in metas]
+            ops = [dist.P2POp(dist.irecv, buffer, peer, tag=tag) for buffer in buffers]
+            posted = _Posted(buffers, dist.batch_isend_irecv(ops))
+            self._posted.setdefault((peer, tag), deque()).append((metas, posted))
+
     def receive(self, sources: list[tuple[int, int, Hashable]]) -> list[Received]:
         """One message from each (peer, tag, key), into pool buffers; learns its header the
         first time for that key."""
@@ -261,14 +295,23 @@ class Exchange:
         """One message from each (peer, tag) whose shapes this rank already knows (e.g.
         gradients)."""
         remote = [message for message in messages if message[0] != self.rank]
-        buffers = [[self.pool.take(meta) for meta in metas] for _, _, metas in remote]
-        self._wait(
-            [
-                (peer, tag, buffer)
-                for (peer, tag, _), message in zip(remote, buffers, strict=True)
-                for buffer in message
-            ]
-        )
+        buffers, started, receives = [], [], []
+        for peer, tag, metas in remote:
+            queue = self._posted.get((peer, tag))
+            if queue:
+                posted_metas, posted = queue.popleft()
+                if posted_metas != metas:
+                    raise RuntimeError(
+                        f"rank {self.rank}: the receive posted ahead from rank {peer} (tag "
+                        f"{tag}) expected {posted_metas}, the step asks for {metas}"
+                    )
+                buffers.append(posted.buffers)
+                started += posted.works
+                continue
+            taken = [self.pool.take(meta) for meta in metas]
+            buffers.append(taken)
+            receives += [(peer, tag, buffer) for buffer in taken]
+        self._wait(receives, started)
         heard = iter(
             [self._restore(b, metas) for b, (_, _, metas) in zip(buffers, remote, strict=True)]
         )
@@ -296,13 +339,16 @@ class Exchange:
                 self.pool.give(buffer)
         return Received(tensors=tensors, metas=metas, lent=lent)
 
-    def _wait(self, receives: list[tuple[int, int, torch.Tensor]]) -> None:
-        if not receives:
+    def _wait(
+        self, receives: list[tuple[int, int, torch.Tensor]], started: Sequence[dist.Work] = ()
+    ) -> None:
+        """Receive each (peer, tag, buffer), and wait for the receives `started` ahead."""
+        if not receives and not started:
             return
         peers, tensors = [peer for peer, _, _ in receives], [t for _, _, t in receives]
         with waiting("p2p wait, receive", lambda: _traffic(peers, tensors)):
             ops = [dist.P2POp(dist.irecv, tensor, peer, tag=tag) for peer, tag, tensor in receives]
-            for work in dist.batch_isend_irecv(ops):
+            for work in [*started, *(dist.batch_isend_irecv(ops) if ops else [])]:
                 work.wait()
 
 

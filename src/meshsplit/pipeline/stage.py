@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshsplit.batch import tensors
 from meshsplit.phases import phase
 from meshsplit.pipeline.frontend import Layer, LayerGraph
-from meshsplit.pipeline.p2p import Exchange, Received, Sending
+from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
 from meshsplit.pipeline.schedules import Action
 from meshsplit.pipeline.split_backward import (
     WeightWork,
@@ -116,7 +116,23 @@ def run(
     step = _Step()
     (only, *_) = stages
     split = any(action.kind == "W" for action in actions)
-    for action in actions:
+    posted = 0  # the actions whose receives are posted: always the first ones, in order
+
+    def post_through(last: int) -> None:
+        """Post the receives of the actions up to `last` while their shapes are known."""
+        nonlocal posted
+        while posted <= min(last, len(actions) - 1):
+            action = actions[posted]
+            stage = stages[only if action.chunk is None else action.chunk]
+            expected = stage.expected(step, action, inputs[action.micro])
+            if expected is None:  # it receives as it runs, and nothing after it before it
+                return
+            stage.exchange.post(expected)
+            posted += 1
+
+    for index, action in enumerate(actions):
+        post_through(index + 1)  # the next action's message lands while this one computes
+        posted = max(posted, index + 1)
         stage = stages[only if action.chunk is None else action.chunk]
         where = "" if action.chunk is None else f", chunk {action.chunk}"
         if action.kind == "F":
@@ -217,6 +233,27 @@ class Stage:
         """What fixes every shape this micro-batch sends: its input's signature and the mode."""
         signature = tuple((tuple(t.shape), t.dtype) for t in tensors(x))
         return (signature, torch.is_grad_enabled(), self.module.training)
+
+    def expected(
+        self, step: _Step, action: Action, x: Any
+    ) -> list[tuple[int, int, list[TensorMeta]]] | None:
+        """What `action` on this chunk will receive from other ranks, as (peer, tag, metas),
+        where that is known yet (None: a header not heard, or B before its F)."""
+        if action.kind == "F":
+            key = self._key(x)
+            return self.exchange.known(
+                [(self.peers[src], self._tag(src), key) for src, _ in self.routes.receives]
+            )
+        if action.kind == "W":
+            return []
+        flight = step.in_flight.get((self.index, action.micro))
+        if flight is None:
+            return None
+        return [
+            (self.peers[dst], self._tag(self.index, dst) + 1, metas)
+            for (dst, _), ts in zip(self.routes.sends, flight.sent, strict=True)
+            if (metas := [self.exchange.meta(t) for t in ts if t.requires_grad])
+        ]
 
     def forward(
         self,
