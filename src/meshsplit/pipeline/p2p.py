@@ -306,7 +306,7 @@ class Exchange:
                         f"{tag}) expected {posted_metas}, the step asks for {metas}"
                     )
                 buffers.append(posted.buffers)
-                started += posted.works
+                started.append((peer, posted))
                 continue
             taken = [self.pool.take(meta) for meta in metas]
             buffers.append(taken)
@@ -340,15 +340,20 @@ class Exchange:
         return Received(tensors=tensors, metas=metas, lent=lent)
 
     def _wait(
-        self, receives: list[tuple[int, int, torch.Tensor]], started: Sequence[dist.Work] = ()
+        self,
+        receives: list[tuple[int, int, torch.Tensor]],
+        started: Sequence[tuple[int, _Posted]] = (),
     ) -> None:
-        """Receive each (peer, tag, buffer), and wait for the receives `started` ahead."""
+        """Receive each (peer, tag, buffer), and wait for the receives from each peer
+        `started` ahead (`post`)."""
         if not receives and not started:
             return
-        peers, tensors = [peer for peer, _, _ in receives], [t for _, _, t in receives]
+        peers = [peer for peer, _, _ in receives] + [peer for peer, _ in started]
+        tensors = [t for _, _, t in receives] + [t for _, p in started for t in p.buffers]
         with waiting("p2p wait, receive", lambda: _traffic(peers, tensors)):
             ops = [dist.P2POp(dist.irecv, tensor, peer, tag=tag) for peer, tag, tensor in receives]
-            for work in [*started, *(dist.batch_isend_irecv(ops) if ops else [])]:
+            ahead = [work for _, posted in started for work in posted.works]
+            for work in [*ahead, *(dist.batch_isend_irecv(ops) if ops else [])]:
                 work.wait()
 
 
