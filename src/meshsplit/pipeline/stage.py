@@ -240,15 +240,18 @@ class Stage:
         """What `action` on this chunk will receive from other ranks, as (peer, tag, metas),
         where that is known yet (None: a header not heard, or B before its F)."""
         if action.kind == "F":
-            key = self._key(x)
-            return self.exchange.known(
-                [(self.peers[src], self._tag(src), key) for src, _ in self.routes.receives]
-            )
+            return self.exchange.known(self._sources(self._key(x)))
         if action.kind == "W":
             return []
         flight = step.in_flight.get((self.index, action.micro))
-        if flight is None:
-            return None
+        return None if flight is None else self._gradients_wanted(flight)
+
+    def _sources(self, key: Hashable) -> list[tuple[int, int, Hashable]]:
+        """(peer, tag, key) of each value F receives, as F and the posting ahead ask."""
+        return [(self.peers[src], self._tag(src), key) for src, _ in self.routes.receives]
+
+    def _gradients_wanted(self, flight: _InFlight) -> list[tuple[int, int, list[TensorMeta]]]:
+        """(peer, tag, metas) of the gradients B receives for what F sent that needs one."""
         return [
             (self.peers[dst], self._tag(self.index, dst) + 1, metas)
             for (dst, _), ts in zip(self.routes.sends, flight.sent, strict=True)
@@ -264,9 +267,7 @@ class Stage:
         loss_of: Callable[[Any, Any], torch.Tensor] | None,
     ) -> None:
         key = self._key(x)
-        messages = self.exchange.receive(
-            [(self.peers[src], self._tag(src), key) for src, _ in self.routes.receives]
-        )
+        messages = self.exchange.receive(self._sources(key))
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
         with self.precision.autocast():
@@ -311,15 +312,7 @@ class Stage:
         gradients too, unless `weights_later` (then W computes them)."""
         flight = step.in_flight[(self.index, micro)]
         flight.sending.wait()  # the readers have finished this forward: they sent our gradients
-        wanted = [
-            (
-                self.peers[dst],
-                self._tag(self.index, dst) + 1,
-                [self.exchange.meta(t) for t in ts if t.requires_grad],
-            )
-            for (dst, _), ts in zip(self.routes.sends, flight.sent, strict=True)
-        ]
-        grads = self.exchange.receive_like([w for w in wanted if w[2]])
+        grads = self.exchange.receive_like(self._gradients_wanted(flight))
         roots: list[torch.Tensor] = [t for ts in flight.sent for t in ts if t.requires_grad]
         seeds: list[torch.Tensor | None] = [g for message in grads for g in message.tensors]
         if flight.loss is not None:
