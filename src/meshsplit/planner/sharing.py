@@ -248,10 +248,7 @@ def _lockstep_s(rounds: int = 30) -> dict[int, float]:
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
 
     dist.barrier()
-    started = time.perf_counter()
-    for _ in range(rounds):
-        _matmuls(work, _LOCKSTEP_MATMULS)
-    loaded = (time.perf_counter() - started) / rounds
+    loaded = _burst_s(work, _LOCKSTEP_MATMULS, rounds)
     result = {}
     for size, group in sorted(groups.items()):
         dist.barrier()
