@@ -78,7 +78,7 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
 def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     """The model (seeded weights) and one example input of batch 4."""
     torch.manual_seed(seed)
-    model = FACTORIES[name]()
+    model = (FACTORIES | MORE)[name]()
     generator = torch.Generator().manual_seed(seed + 1)
     if name == "resnet":
         return model, torch.randn(4, 3, 32, 32, generator=generator)
@@ -210,6 +210,29 @@ MORE: dict[str, Callable[[], nn.Module]] = {
                 dropout_rate=0.0,
                 decoder_start_token_id=0,
                 pad_token_id=0,
+            )  # fmt: skip
+        )
+    ),
+    # M2M100 (NLLB's layout): one weight shared four ways (shared, both embed_tokens with
+    # an embed_scale, lm_head), sinusoidal positions
+    "m2m100": lambda: Seq2Seq(
+        transformers.M2M100ForConditionalGeneration(
+            transformers.M2M100Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                dropout=0.0,
+                attention_dropout=0.0,
+                encoder_layerdrop=0.0,
+                decoder_layerdrop=0.0,
+                max_position_embeddings=32,
+                pad_token_id=1,
+                decoder_start_token_id=2,
             )  # fmt: skip
         )
     ),

@@ -1,6 +1,7 @@
 """Operator split on real Hugging Face layers: GPT-2 (Conv1D, fused qkv, tied head), LLaMA
-(grouped-query attention, the model's own tp plan), BERT (pairs across sibling modules), and
-what is kept whole (own forward, HF ResNet's small convolutions).
+(grouped-query attention, the model's own tp plan), BERT (pairs across sibling modules), T5
+and M2M100 (one weight tied four ways), and what is kept whole (own forward, HF ResNet's
+small convolutions).
 
 Decisions are checked in one process; exactness, bytes per rank, un-sharding and the forward
 all-reduces per block in one launch of 2 gloo workers.
@@ -37,6 +38,17 @@ from reference import HeadNormAttention  # noqa: E402
 TP = 2
 STEPS = 3
 BLOCKS = {"gpt2": "m.transformer.h", "llama": "m.model.layers", "bert": "m.bert.encoder.layer"}
+TIES = {
+    "gpt2": ["m.transformer.wte", "m.lm_head"],
+    "t5": ["m.shared", "m.encoder.embed_tokens", "m.decoder.embed_tokens", "m.lm_head"],
+    "m2m100": [
+        "m.model.shared",
+        "m.model.encoder.embed_tokens",
+        "m.model.decoder.embed_tokens",
+        "m.lm_head",
+    ],
+}
+"""Layers sharing one weight: after the split, one vocabulary shard on each rank."""
 
 
 def _decisions(name: str, tp: int, **kwargs: Any) -> dict[str, tensor.Decision]:
@@ -56,6 +68,17 @@ def test_gpt2_splits_conv1d_pairs_fused_qkv_and_the_tied_head() -> None:
     assert (d["m.transformer.wte"].split, d["m.transformer.wte"].tied) == ("vocab", "m.lm_head")
     head = d["m.lm_head"]
     assert (head.split, head.gather_output, head.tied) == ("column", True, "m.transformer.wte")
+
+
+def test_a_plan_that_splits_a_tie_apart_is_refused() -> None:
+    """One weight cannot be a vocabulary shard in the embeddings and whole in the head."""
+    plan = {"m.shared": "vocab", "m.lm_head": "replicate"}
+    with pytest.raises(
+        ms.PlanError, match="share one weight differently.*'m.lm_head': 'replicate'"
+    ):
+        _decisions("t5", TP, tp_plan=plan)
+    d = _decisions("t5", TP, tp_plan={"m.shared": "vocab"})  # the rest of the tie follows
+    assert [d[layer].split for layer in TIES["t5"]] == ["vocab", "vocab", "vocab", "column"]
 
 
 def test_llama_takes_its_own_plan_and_splits_kv_heads_at_tp2() -> None:
@@ -349,7 +372,7 @@ def _check(name: str, group: dist.ProcessGroup) -> dict[str, Any]:
     result: dict[str, Any] = {
         "local_bytes": _bytes(split_params.values()),
         "full_bytes": _bytes(full[n] for n in split_params),
-        "tied": name == "gpt2" and model.m.lm_head.weight is model.m.transformer.wte.weight,
+        "tied": [model.get_submodule(layer).weight for layer in TIES.get(name, [])],
     }
     if name in ("gpt2", "llama"):
         result["per_block"] = _per_block(model, BLOCKS[name], group, x)
@@ -375,7 +398,7 @@ def _check_all(names: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
-NAMES = ["gpt2", "llama", "bert"]
+NAMES = ["gpt2", "llama", "bert", "t5", "m2m100"]
 
 
 @functools.cache
@@ -413,8 +436,21 @@ def test_each_rank_holds_a_tp_th_of_the_split_layers(name: str) -> None:
         assert rank[name]["local_bytes"] * TP == rank[name]["full_bytes"] > 0
 
 
-def test_gpt2_tie_survives_the_split() -> None:
-    assert all(rank["gpt2"]["tied"] for rank in _results())
+@pytest.mark.parametrize("name", sorted(TIES))
+def test_tied_layers_share_one_vocabulary_shard(name: str) -> None:
+    """GPT-2's two tied layers, and the four of T5 and M2M100 (shared, the encoder's and the
+    decoder's embeddings, the head), hold one weight of VOCAB / tp rows on each rank."""
+    for rank in _results():
+        first, *others = rank[name]["tied"]
+        assert first.shape[0] * TP == hf_models.VOCAB
+        assert all(other is first for other in others)
+
+
+def test_the_tie_of_four_layers_is_decided_together() -> None:
+    d = _decisions("t5", TP)
+    assert [d[layer].split for layer in TIES["t5"]] == ["vocab", "vocab", "vocab", "column"]
+    assert d["m.lm_head"].gather_output
+    assert d["m.shared"].tied == "m.encoder.embed_tokens, m.decoder.embed_tokens, m.lm_head"
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

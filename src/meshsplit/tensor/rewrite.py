@@ -25,6 +25,7 @@ from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_
 from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.experts import experts_decisions, split_experts_module
+from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.inside import summed_or_whole
 from meshsplit.tensor.layers import (
@@ -38,21 +39,12 @@ from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
 
 __all__ = ["Decision", "plan_splits", "parallelize"]
 
-SMALL_FRACTION = 0.01
-"""A lone layer with less than this share of the model's parameters is replicated."""
-
 SPLITS = {
     "linear": ("column", "row", "replicate"),
     "conv": ("column", "row", "replicate"),
     "embedding": ("vocab", "replicate"),
     "attention": ("heads", "replicate"),
 }
-
-
-def _set(unit: Unit, split: str, reason: str) -> None:
-    unit.split, unit.reason = split, reason
-    if split != "replicate":
-        unit.required = split_sizes(unit)[split]
 
 
 def _user_plan(by_name: dict[str, Unit], tp_plan: Mapping[str, str]) -> None:
@@ -68,7 +60,7 @@ def _user_plan(by_name: dict[str, Unit], tp_plan: Mapping[str, str]) -> None:
                 f"Plan.tp_plan['{name}']={split!r} does not fit {describe(unit.module)}; "
                 f"use one of {', '.join(SPLITS[unit.kind])}"
             )
-        _set(unit, split, "user plan")
+        set_split(unit, split, "user plan")
 
 
 def _refusal(unit: Unit, style: str, tp: int) -> str:
@@ -78,7 +70,7 @@ def _refusal(unit: Unit, style: str, tp: int) -> str:
     if style not in STYLES:
         return f"the model's plan says {style!r}, which meshsplit has no layer for"
     split = STYLES[style][0]
-    if split not in SPLITS[unit.kind] or unit.tied is not None:
+    if split not in SPLITS[unit.kind] or unit.tied:
         return f"the model's plan says {style!r}, which does not fit {describe(unit.module)}"
     what, size = split_sizes(unit)[split]
     return f"tp={tp} does not divide {what}={size}" if size % tp else ""
@@ -99,7 +91,7 @@ def _model_plan(model: nn.Module, by_name: dict[str, Unit], tp: int) -> None:
             unit.note = unit.note or f"model's plan not taken: {why}"
             continue
         split, gather = STYLES[style]
-        _set(unit, split, f"model's tp plan: {style}")
+        set_split(unit, split, f"model's tp plan: {style}")
         unit.wiring = {"gather_output": gather} if split == "column" else {}
     for parent, members in groups.items():
         columns = [unit for unit, style in members if style == "colwise"]
@@ -110,7 +102,9 @@ def _model_plan(model: nn.Module, by_name: dict[str, Unit], tp: int) -> None:
         per_rank, heads = head_counts(model, [parent], tp)
         if heads and not why:
             for unit, _ in members:
-                _set(unit, "replicate", f"{heads}: attention kept whole (model's plan not taken)")
+                set_split(
+                    unit, "replicate", f"{heads}: attention kept whole (model's plan not taken)"
+                )
             continue
         if why:
             for unit, _ in members:
@@ -124,12 +118,12 @@ def _pair(
 ) -> None:
     names = ", ".join(f"'{c.name}'" for c in columns)
     for column in columns:
-        _set(column, "column", f"{source}: pairs with '{row.name}'")
+        set_split(column, "column", f"{source}: pairs with '{row.name}'")
         column.parts = parts.get(column.name, 1)
         column.after, column.wiring = row, {"gather_output": False}
         if column.parts > 1:
             column.reason += f", fused in {column.parts} parts, each split by heads"
-    _set(row, "row", f"{source}: pairs with {names}: one all-reduce")
+    set_split(row, "row", f"{source}: pairs with {names}: one all-reduce")
     row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
 
 
@@ -138,7 +132,7 @@ def _data_flow(
 ) -> set[str]:
     """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`; the
     names of those the example called."""
-    free = [u for u in units if u.kind == "linear" and not u.split and u.tied is None]
+    free = [u for u in units if u.kind == "linear" and not u.split and not u.tied]
     for unit in free:  # the data flow replaces Sequential neighbours for these layers
         if unit.after is not None:
             unit.after.feeders.remove(unit)
@@ -155,7 +149,7 @@ def _data_flow(
     for refusal in refused:
         for name in refusal.names:
             if refusal.replicate:
-                _set(by_name[name], "replicate", f"{refusal.reason}: attention kept whole")
+                set_split(by_name[name], "replicate", f"{refusal.reason}: attention kept whole")
             else:
                 by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
     return called
@@ -177,74 +171,9 @@ def _summed_inside_pairs(
     for row_name, reason in whole.items():
         row = by_name[row_name]
         for unit in [*row.feeders, row]:
-            _set(unit, "replicate", f"kept whole with its partners: {reason}")
+            set_split(unit, "replicate", f"kept whole with its partners: {reason}")
             unit.after, unit.feeders, unit.per_rank, unit.wiring, unit.parts = None, [], (), {}, 1
     return summed
-
-
-def _choose(units: list[Unit], tp: int, total: int) -> None:
-    """Fill in the splits no plan set: attention, Sequential pairs, ties, then lone layers."""
-    for unit in units:
-        if unit.split:
-            continue
-        if unit.kind == "attention":
-            _set(unit, "heads", "by heads: q/k/v column, out row")
-        elif unit.after is not None and unit.after.split in ("", "row"):
-            partner = unit.after
-            _set(unit, "column", f"pairs with '{partner.name}'")
-            if not partner.split:
-                _set(partner, "row", f"pairs with '{unit.name}': one all-reduce")
-    for unit in units:
-        if unit.tied is not None and not unit.split:
-            _choose_tie(unit, unit.tied, tp)
-    for unit in units:
-        if not unit.split:
-            _choose_lone(unit, tp, total)
-
-
-def _choose_tie(unit: Unit, other: Unit, tp: int) -> None:
-    """Embedding by vocab rows and its tied Linear column-split over the same rows, or neither."""
-    embedding, linear = (unit, other) if unit.kind == "embedding" else (other, unit)
-    rows = split_sizes(embedding)["vocab"][1]
-    if rows % tp or linear.split not in ("", "column") or embedding.split not in ("", "vocab"):
-        why = f"tp={tp} does not divide num_embeddings={rows}" if rows % tp else "a plan keeps it"
-        for member in (embedding, linear):
-            if not member.split:
-                _set(member, "replicate", f"tied weight kept whole: {why}")
-        return
-    _set(embedding, "vocab", f"by vocabulary rows, tied to '{linear.name}': one shared shard")
-    _set(linear, "column", f"tied to '{embedding.name}': the same vocabulary rows, gathered")
-    linear.wiring = {"gather_output": True}
-
-
-def _choose_lone(unit: Unit, tp: int, total: int) -> None:
-    split = "vocab" if unit.kind == "embedding" else "column"
-    what, size = split_sizes(unit)[split]
-    count = sum(p.numel() for p in unit.module.parameters())
-    note = f"{unit.note}; " if unit.note else ""
-    if size % tp:
-        unit.split, unit.reason = "replicate", f"{note}tp={tp} does not divide {what}={size}"
-    elif count < SMALL_FRACTION * total:
-        unit.split = "replicate"
-        unit.reason = f"{note}small ({count} of {total} parameters); a split would not pay"
-    else:
-        unit.split = split
-        lone = "no partner: output gathered" if split == "column" else "by vocabulary rows"
-        unit.reason = note + lone
-
-
-def _wire(units: list[Unit]) -> None:
-    """A column gathers unless a row consumes it; a row slices unless columns feed it split."""
-    for unit in units:
-        if unit.split == "column" and "gather_output" not in unit.wiring:
-            unit.wiring["gather_output"] = not (unit.after and unit.after.split == "row")
-        if unit.split == "column" and unit.after is not None and unit.after.split != "row":
-            unit.wiring["gather_output"] = True
-        if unit.split == "row" and "scatter_input" not in unit.wiring:
-            fed = bool(unit.feeders) and all(f.split == "column" for f in unit.feeders)
-            unit.wiring["scatter_input"] = not fed
-        if unit.split == "column" and unit.wiring["gather_output"]:
-            unit.parts = 1
 
 
 def _working(sizes: list[int]) -> str:
@@ -284,7 +213,8 @@ def plan_splits(
                 source = f"as in '{original}', its twin that the example ran"
                 _pair(columns, by_name[twin.row], twin.columns, twin.per_rank, source)
             others = experts_decisions(model, example, others, tp, realize, set(summed))
-    _choose(units, tp, total)
+    choose_rest(units, tp, total)
+    check_ties(units)
     required = [(unit, unit.required) for unit in units if unit.required is not None]
     for unit, (what, size) in required:
         if size % tp:
@@ -293,7 +223,7 @@ def plan_splits(
                 f"Plan.tp={tp} does not divide {type(unit.module).__name__} '{unit.name}' "
                 f"{what}={size}; use tp in {_working(sizes)}"
             )
-    _wire(units)
+    wire(units)
     decisions = [
         Decision(
             name=unit.name,
@@ -304,7 +234,7 @@ def plan_splits(
             scatter_input=unit.wiring.get("scatter_input", False),
             parts=unit.parts,
             per_rank=unit.per_rank if unit.split == "row" else (),
-            tied=unit.tied.name if unit.tied is not None and unit.split != "replicate" else "",
+            tied=", ".join(o.name for o in unit.tied) if unit.split != "replicate" else "",
         )
         for unit in units
     ]

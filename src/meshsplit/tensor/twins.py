@@ -34,7 +34,7 @@ def twin_pairs(
     free = {
         u.name
         for u in units
-        if u.kind == "linear" and not u.split and u.tied is None and u.name not in called
+        if u.kind == "linear" and not u.split and not u.tied and u.name not in called
     }
     found: list[tuple[Pair, str]] = []
     for pair in pairs:

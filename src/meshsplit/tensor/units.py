@@ -7,8 +7,9 @@ not a unit: a parallel layer would drop that behaviour, so it is kept whole; unl
 only the base's tensors and gives the base's output on a probe (Falcon's `FalconLinear`
 spells out `x @ W.T + b`; an Embedding that multiplies its rows by an `embed_scale`, as
 Gemma's and M2M100's do), then it is the base written another way. Layers that share
-a parameter are units only as an Embedding tied to an output Linear (GPT-2's wte/lm_head),
-split once along the vocabulary; any other sharing is kept whole.
+a parameter are units only as Embeddings tied to each other and to at most one output Linear
+(GPT-2's wte/lm_head, T5's shared/encoder/decoder embeddings/lm_head), split once along the
+vocabulary; any other sharing is kept whole.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Decision:
     per_rank: tuple[str, ...] = ()
     """Row split only: 'module.attribute' ints (head counts, split sizes) divided by tp."""
     tied: str = ""
-    """Vocab/column split only: the layer whose weight this one shares (one shared shard)."""
+    """Vocab/column split only: the layers whose weight this one shares, comma-separated
+    (one shared shard)."""
     layouts: tuple[tuple[str, tuple[int, int] | None], ...] = ()
     """Experts only: each of the module's tensors and its (dim, parts) over tp (None: whole,
     counted on tp rank 0)."""
@@ -105,7 +107,8 @@ class Unit:
     """(what, size) that tp must divide, for a split that must happen."""
     parts: int = 1
     per_rank: tuple[str, ...] = ()
-    tied: Unit | None = None
+    tied: list[Unit] = field(default_factory=list)
+    """The layers sharing this one's weight (one shared shard under a vocabulary split)."""
     wiring: dict[str, bool] = field(default_factory=dict)
     """gather_output / scatter_input, when a plan fixed them; otherwise the partners decide."""
     note: str = ""
@@ -316,13 +319,18 @@ def _shared_parameters(model: nn.Module) -> set[int]:
 
 
 def _ties(sharing: list[Unit], shared: set[int]) -> tuple[list[Unit], list[Decision]]:
-    """An Embedding and a Linear sharing only their weight (vocab rows) are tied; others kept."""
+    """Embeddings, and at most one output Linear, sharing only their weight (vocab rows) are
+    tied: GPT-2's wte and lm_head, or T5's and BART's shared, encoder and decoder embeddings
+    and lm_head. Other sharing is kept whole."""
     by_weight: dict[int, list[Unit]] = {}
     for unit in sharing:
         by_weight.setdefault(id(getattr(unit.module, "weight", None)), []).append(unit)
     tied: list[Unit] = []
     for group in by_weight.values():
-        if sorted(unit.kind for unit in group) != ["embedding", "linear"]:
+        kinds = [unit.kind for unit in group]
+        if len(group) < 2 or kinds.count("linear") > 1 or "embedding" not in kinds:
+            continue
+        if any(kind not in ("embedding", "linear") for kind in kinds):
             continue
         only_weight = all(
             id(p) not in shared
@@ -331,12 +339,12 @@ def _ties(sharing: list[Unit], shared: set[int]) -> tuple[list[Unit], list[Decis
             if name != "weight"
         )
         if only_weight and not any(is_conv1d(unit.module) for unit in group):
-            first, second = group
-            first.tied, second.tied = second, first
+            for unit in group:
+                unit.tied = [other for other in group if other is not unit]
             tied.extend(group)
     kept = [
         replicated(unit.name, unit.module, "shares a parameter with another layer")
         for unit in sharing
-        if unit.tied is None
+        if not unit.tied
     ]
     return tied, kept
