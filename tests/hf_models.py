@@ -78,7 +78,7 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
 def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     """The model (seeded weights) and one example input of batch 4."""
     torch.manual_seed(seed)
-    model = (FACTORIES | MORE)[name]()
+    model = (FACTORIES | MORE | MASKED_LM)[name]()
     generator = torch.Generator().manual_seed(seed + 1)
     if name == "resnet":
         return model, torch.randn(4, 3, 32, 32, generator=generator)
@@ -106,6 +106,13 @@ def _causal(model_class: str, config_class: str, **config: object) -> Callable[[
 
 _LM = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4}
 _GQA = {**_LM, "intermediate_size": 64, "num_key_value_heads": 2, "max_position_embeddings": 16}
+_ENCODER = {
+    **_LM,
+    "intermediate_size": 64,
+    "max_position_embeddings": 20,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
 MORE: dict[str, Callable[[], nn.Module]] = {
     "mistral": _causal("MistralForCausalLM", "MistralConfig", **_GQA),
     "qwen2": _causal("Qwen2ForCausalLM", "Qwen2Config", **_GQA),
@@ -213,6 +220,9 @@ MORE: dict[str, Callable[[], nn.Module]] = {
             )  # fmt: skip
         )
     ),
+    # BERT's masked-LM head: the decoder tied to the word embeddings, its bias also held by
+    # the head as `predictions.bias` (an alias that must follow the split)
+    "bert_mlm": _causal("BertForMaskedLM", "BertConfig", **_ENCODER),
     # M2M100 (NLLB's layout): one weight shared four ways (shared, both embed_tokens with
     # an embed_scale, lm_head), sinusoidal positions
     "m2m100": lambda: Seq2Seq(
@@ -238,6 +248,12 @@ MORE: dict[str, Callable[[], nn.Module]] = {
     ),
 }
 """More architectures the README names, each tried under one hybrid plan."""
+MASKED_LM: dict[str, Callable[[], nn.Module]] = {
+    "roberta_mlm": _causal("RobertaForMaskedLM", "RobertaConfig", **_ENCODER),
+    # ALBERT runs one shared layer at every depth: no layer split, tried under tp only
+    "albert_mlm": _causal("AlbertForMaskedLM", "AlbertConfig", **_ENCODER, embedding_size=16),
+}
+"""Masked-LM heads whose decoder bias has a second name, tried under tp."""
 KINDS = {"bert": "classify", "distilbert": "classify", "roberta": "classify"} | {
     name: "pixels" for name in ("resnet", "vit", "convnext")
 }

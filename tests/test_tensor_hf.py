@@ -1,7 +1,7 @@
 """Operator split on real Hugging Face layers: GPT-2 (Conv1D, fused qkv, tied head), LLaMA
-(grouped-query attention, the model's own tp plan), BERT (pairs across sibling modules), T5
-and M2M100 (one weight tied four ways), and what is kept whole (own forward, HF ResNet's
-small convolutions).
+(grouped-query attention, the model's own tp plan), BERT (pairs across sibling modules; its
+masked-LM head's bias held under two names), T5 and M2M100 (one weight tied four ways), and
+what is kept whole (own forward, HF ResNet's small convolutions).
 
 Decisions are checked in one process; exactness, bytes per rank, un-sharding and the forward
 all-reduces per block in one launch of 2 gloo workers.
@@ -40,6 +40,9 @@ STEPS = 3
 BLOCKS = {"gpt2": "m.transformer.h", "llama": "m.model.layers", "bert": "m.bert.encoder.layer"}
 TIES = {
     "gpt2": ["m.transformer.wte", "m.lm_head"],
+    "bert_mlm": ["m.bert.embeddings.word_embeddings", "m.cls.predictions.decoder"],
+    "roberta_mlm": ["m.roberta.embeddings.word_embeddings", "m.lm_head.decoder"],
+    "albert_mlm": ["m.albert.embeddings.word_embeddings", "m.predictions.decoder"],
     "t5": ["m.shared", "m.encoder.embed_tokens", "m.decoder.embed_tokens", "m.lm_head"],
     "m2m100": [
         "m.model.shared",
@@ -49,6 +52,12 @@ TIES = {
     ],
 }
 """Layers sharing one weight: after the split, one vocabulary shard on each rank."""
+ALIASES = {
+    "bert_mlm": ["m.cls.predictions", "m.cls.predictions.decoder"],
+    "roberta_mlm": ["m.lm_head", "m.lm_head.decoder"],
+    "albert_mlm": ["m.predictions", "m.predictions.decoder"],
+}
+"""Modules holding one bias under two names (the masked-LM head and its decoder)."""
 
 
 def _decisions(name: str, tp: int, **kwargs: Any) -> dict[str, tensor.Decision]:
@@ -373,6 +382,7 @@ def _check(name: str, group: dist.ProcessGroup) -> dict[str, Any]:
         "local_bytes": _bytes(split_params.values()),
         "full_bytes": _bytes(full[n] for n in split_params),
         "tied": [model.get_submodule(layer).weight for layer in TIES.get(name, [])],
+        "alias": [model.get_submodule(owner).bias for owner in ALIASES.get(name, [])],
     }
     if name in ("gpt2", "llama"):
         result["per_block"] = _per_block(model, BLOCKS[name], group, x)
@@ -398,7 +408,7 @@ def _check_all(names: list[str]) -> dict[str, dict[str, Any]]:
     return results
 
 
-NAMES = ["gpt2", "llama", "bert", "t5", "m2m100"]
+NAMES = ["gpt2", "llama", "bert", "t5", "m2m100", "bert_mlm", "roberta_mlm", "albert_mlm"]
 
 
 @functools.cache
@@ -444,6 +454,17 @@ def test_tied_layers_share_one_vocabulary_shard(name: str) -> None:
         first, *others = rank[name]["tied"]
         assert first.shape[0] * TP == hf_models.VOCAB
         assert all(other is first for other in others)
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_an_alias_of_a_split_bias_holds_the_same_shard(name: str) -> None:
+    """BERT's `cls.predictions.bias` (RoBERTa's `lm_head.bias`, ALBERT's) is its decoder's
+    bias under another name: after the vocabulary split it is still that tensor, VOCAB / tp
+    long (the state dict, un-sharded, matches one process in
+    test_unshard_gives_the_original_keys_shapes_and_values)."""
+    for rank in _results():
+        head, decoder = rank[name]["alias"]
+        assert head is decoder and head.shape[0] * TP == hf_models.VOCAB
 
 
 def test_the_tie_of_four_layers_is_decided_together() -> None:

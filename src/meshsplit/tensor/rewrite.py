@@ -303,7 +303,8 @@ def parallelize(
     group = tp_group(mesh)
     tp = dist.get_world_size(group)
     decisions = plan_splits(model, tp, tp_plan, example=example, realize=realize)
-    shards: dict[int, Any] = {}
+    aliased = _held_twice(model)
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id: original, its shard
     copies = InputCopies()  # columns reading one tensor enter the region through one copy
     for decision in decisions:
         if decision.split == "replicate":
@@ -311,11 +312,14 @@ def parallelize(
         parent_name, _, child_name = decision.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         original = parent.get_submodule(child_name)
-        key = id(getattr(original, "weight", None))  # the tie, before realize lends copies
+        own = dict(original.named_parameters(recurse=False))  # before realize lends copies
         with realize(original):
             split = _split_module(original, decision, group)
-        if decision.tied:
-            split.weight = shards.setdefault(key, split.weight)
+        if decision.tied and id(own["weight"]) in replaced:
+            split.weight = replaced[id(own["weight"])][1]
+        for name, param in own.items():
+            if id(param) in aliased and isinstance(getattr(split, name, None), nn.Parameter):
+                replaced.setdefault(id(param), (param, getattr(split, name)))
         if decision.split == "column":
             split.input_copies = copies  # type: ignore[assignment]
         setattr(parent, child_name, split)
@@ -323,4 +327,24 @@ def parallelize(
             owner_name, _, attr = path.rpartition(".")
             owner = model.get_submodule(owner_name)
             setattr(owner, attr, getattr(owner, attr) // tp)
+    _repoint(model, replaced)
     return decisions
+
+
+def _held_twice(model: nn.Module) -> set[int]:
+    """Ids of the parameters held under more than one name (tied weights, aliases)."""
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for _, param in model.named_parameters(remove_duplicate=False):
+        (twice if id(param) in seen else seen).add(id(param))
+    return twice
+
+
+def _repoint(model: nn.Module, replaced: dict[int, tuple[nn.Parameter, nn.Parameter]]) -> None:
+    """Every other holder of a parameter a split replaced now holds its shard: BERT's
+    `predictions.bias`, the same tensor as its decoder's bias, follows the decoder's split."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            original, shard = replaced.get(id(param), (None, None))
+            if original is param and shard is not None:
+                setattr(module, name, shard)

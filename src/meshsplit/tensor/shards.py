@@ -74,14 +74,20 @@ def _reassemble(gathered: torch.Tensor, dim: int, parts: int, tp: int) -> torch.
 def shard_layouts(module: nn.Module) -> dict[str, tuple[int, int]]:
     """State-dict name -> (dim, parts) for every split tensor under `module` (see the module doc).
 
-    Every name not listed is replicated (the same on every tp rank). A tensor shared by two
-    layers (tied weights) is listed under both names, like the state dict lists it.
+    Every name not listed is replicated (the same on every tp rank). A tensor held under
+    several names (tied weights, an alias such as BERT's `predictions.bias`) is listed under
+    each, like the state dict lists it.
     """
     layouts: dict[str, tuple[int, int]] = {}
+    by_tensor: dict[int, tuple[int, int]] = {}
     for prefix, layer in module.named_modules(remove_duplicate=False):
         if isinstance(layer, ParallelLayer):
             for name, layout in layer.shard_layouts().items():
                 layouts[f"{prefix}.{name}" if prefix else name] = layout
+                by_tensor[id(layer.get_parameter(name))] = layout
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in by_tensor:
+            layouts.setdefault(name, by_tensor[id(param)])
     return layouts
 
 

@@ -307,8 +307,17 @@ def walk(model: nn.Module) -> tuple[list[Unit], list[Decision]]:
     visit(model, "")
     tied, kept = _ties(sharing, shared)
     units.extend(tied)
+    in_ties = {id(p) for unit in tied for p in unit.module.parameters()}
+    others = [o for o in others if not _aliases_only(model.get_submodule(o.name), in_ties)]
     others.extend(kept)
     return units, others
+
+
+def _aliases_only(module: nn.Module, in_ties: set[int]) -> bool:
+    """Whether a module's own parameters are all a tied layer's under a second name (BERT's
+    `predictions.bias`): it holds nothing of its own, the tie decides their split."""
+    own = [id(p) for p in module.parameters(recurse=False)]
+    return bool(own) and all(i in in_ties for i in own)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:
@@ -332,11 +341,13 @@ def _ties(sharing: list[Unit], shared: set[int]) -> tuple[list[Unit], list[Decis
             continue
         if any(kind not in ("embedding", "linear") for kind in kinds):
             continue
-        only_weight = all(
-            id(p) not in shared
+        only_weight = all(  # a bias may have an alias outside the layers (BERT's)
+            not any(
+                p is q for other in sharing if other is not unit for q in other.module.parameters()
+            )
             for unit in group
             for name, p in unit.module.named_parameters()
-            if name != "weight"
+            if name != "weight" and id(p) in shared
         )
         if only_weight and not any(is_conv1d(unit.module) for unit in group):
             for unit in group:
