@@ -51,8 +51,22 @@ def uninterrupted() -> tuple[list[float], dict]:
         (ms.Plan(tp=2), ms.Plan(dp=2)),
         (ms.Plan(dp=2), ms.Plan(tp=2)),
         (ms.Plan(dp=2, pp=2, micro_batches=2), ms.Plan(dp=2, tp=2)),
+        # into ZeRO 2/3 (each rank takes its slice of every parameter and moment), and tp
+        # shards that ZeRO shards again over dp (saved whole over dp, under the tp layout)
+        (ms.Plan(dp=2, zero=3), ms.Plan(dp=2, zero=3)),
+        (ms.Plan(), ms.Plan(dp=2, zero=2)),
+        (ms.Plan(dp=2, tp=2, zero=2), ms.Plan(dp=2, tp=2, zero=3)),
     ],
-    ids=["dp2-to-1", "zero-to-1", "tp2-to-dp2", "dp2-to-tp2", "dp2pp2-to-dp2tp2"],
+    ids=[
+        "dp2-to-1",
+        "zero-to-1",
+        "tp2-to-dp2",
+        "dp2-to-tp2",
+        "dp2pp2-to-dp2tp2",
+        "zero3-to-zero3",
+        "1-to-zero2",
+        "dp2tp2zero2-to-dp2tp2zero3",
+    ],
 )
 def test_resume_across_plans_equals_uninterrupted(
     tmp_path, uninterrupted, saved_under: ms.Plan, loaded_under: ms.Plan

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshsplit import tensor as tp_tensor
 from meshsplit.memory import pools
@@ -132,12 +132,12 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
         for key, live in _live_tensors(training):
             loaded = state.get(key)
             if isinstance(loaded, DTensor):
-                live.copy_(loaded.to_local())
+                _copy_into(live, loaded.to_local())
             elif key in layouts and isinstance(loaded, torch.Tensor) and loaded is not live:
                 dim, parts = layouts[key]
                 group = training.mesh.group("tp")
                 rank, size = dist.get_rank(group), dist.get_world_size(group)
-                live.copy_(tp_tensor.local_shard(loaded, dim, parts, rank, size))
+                _copy_into(live, tp_tensor.local_shard(loaded, dim, parts, rank, size))
     progress = state["progress"]
     training.steps = progress["steps"]
     training.data_position = dict(progress["data_position"])
@@ -246,11 +246,26 @@ def _placed(tensor: torch.Tensor, layout: tuple[int, int] | None, training: Trai
     tensor gathered (a fused tensor's blocks are not contiguous), or the tensor itself."""
     if layout is None:
         return tensor
+    if isinstance(tensor, DTensor):  # ZeRO 2/3 shards a tp shard again over dp: whole first
+        tensor = tensor.full_tensor()
     dim, parts = layout
     if parts == 1:
         tp_mesh = training.mesh.device_mesh["tp"]
         return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
     return tp_tensor.unshard_tensor(tensor, dim, parts, training.mesh.group("tp"))
+
+
+def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy `value` into `live`; a `live` that ZeRO 2/3 shards over dp (a DTensor of the
+    whole `value`'s shape) takes its own slice of it."""
+    if not isinstance(live, DTensor):
+        live.copy_(value)
+        return
+    if value.shape == live.shape:
+        mesh = live.device_mesh
+        whole = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        value = whole.redistribute(mesh, live.placements).to_local()  # a slice, no messages
+    live.to_local().copy_(value)
 
 
 def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
