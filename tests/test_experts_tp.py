@@ -79,9 +79,11 @@ def test_the_experts_split_composes_with_tp4_ep_pp_and_zero3() -> None:
     _check(cases, ms.launch(train_cases, 4, args=(cases,), timeout_s=500, backend="gloo"))
 
 
-def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
-    """Two steps under tp2, saved (momentum included); the third after loading under dp2
-    and again under tp2."""
+def _resumed(
+    directory: str, model: str, saved: dict[str, int], loads: list[dict[str, int]]
+) -> list[dict[str, Any]]:
+    """Two steps under `saved`, saved (momentum included); the third after loading under
+    each of `loads`."""
     batches = _batches()
 
     def engine(fields: dict[str, int]) -> ms.Engine:
@@ -90,13 +92,13 @@ def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
             loss_fn=ms.models.TokenCrossEntropy(),
         )  # fmt: skip
 
-    first = engine({"tp": 2})
+    first = engine(saved)
     for x, y in batches[:2]:
         first.train_step(x, y)
     first.save(directory)
     first.close()
     results = []
-    for fields in ({"dp": 2}, {"tp": 2}):
+    for fields in loads:
         resumed = engine(fields)
         resumed.load(directory)
         loss = resumed.train_step(*batches[2])
@@ -105,14 +107,30 @@ def _resumed(directory: str, model: str) -> list[dict[str, Any]]:
     return results
 
 
-@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize(
+    ("model", "saved", "loads"),
+    [
+        ("mixtral", {"tp": 2}, [{"dp": 2}, {"tp": 2}]),
+        ("gpt_oss", {"tp": 2}, [{"dp": 2}, {"tp": 2}]),
+        # experts over ep and each expert's width over tp: saved whole over tp, sharded over
+        # ep; read back under ep x tp with ZeRO 2 and under plain dp
+        (
+            "mixtral",
+            {"dp": 2, "ep": 2, "tp": 2},
+            [{"dp": 2, "ep": 2, "tp": 2, "zero": 2}, {"dp": 4}],
+        ),
+    ],
+    ids=["mixtral-tp2", "gpt_oss-tp2", "mixtral-ep2-tp2"],
+)
 def test_a_checkpoint_of_split_experts_resumes_under_another_plan(
-    tmp_path: Any, model: str
+    tmp_path: Any, model: str, saved: dict[str, int], loads: list[dict[str, int]]
 ) -> None:
     want_losses, want_state = _single(model)
+    workers = ms.Plan(**saved).world_size
     for per_plan in ms.launch(
-        _resumed, 2, args=(str(tmp_path), model), timeout_s=300, backend="gloo"
-    ):
+        _resumed, workers, args=(str(tmp_path), model, saved, loads), timeout_s=300,
+        backend="gloo",
+    ):  # fmt: skip
         for got in per_plan:
             assert got["loss"] == pytest.approx(want_losses[2], rel=RTOL)
             for key, value in want_state.items():

@@ -127,17 +127,21 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     }
     _check_fits(state, metadata, path)
     dcp.load(state, storage_reader=FileSystemReader(path))
-    layouts = _layouts(training)
+    layouts, experts = _layouts(training), _expert_keys(training)
     with torch.no_grad():
         for key, live in _live_tensors(training):
             loaded = state.get(key)
-            if isinstance(loaded, DTensor):
-                _copy_into(live, loaded.to_local())
-            elif key in layouts and isinstance(loaded, torch.Tensor) and loaded is not live:
+            if not isinstance(loaded, torch.Tensor) or loaded is live:  # read in place
+                continue
+            # what `_placed` made whole over tp: a fused tensor, an expert split over ep too
+            whole = key in layouts and (key in experts or not isinstance(loaded, DTensor))
+            value = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+            if whole:
                 dim, parts = layouts[key]
                 group = training.mesh.group("tp")
                 rank, size = dist.get_rank(group), dist.get_world_size(group)
-                _copy_into(live, tp_tensor.local_shard(loaded, dim, parts, rank, size))
+                value = tp_tensor.local_shard(value, dim, parts, rank, size)
+            _copy_into(live, value)
     progress = state["progress"]
     training.steps = progress["steps"]
     training.data_position = dict(progress["data_position"])
@@ -241,15 +245,18 @@ def _layouts(training: Training) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _placed(tensor: torch.Tensor, layout: tuple[int, int] | None, training: Training) -> Any:
+def _placed(
+    tensor: torch.Tensor, layout: tuple[int, int] | None, training: Training, *, expert: bool
+) -> Any:
     """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), the whole
-    tensor gathered (a fused tensor's blocks are not contiguous), or the tensor itself."""
+    tensor gathered (a fused tensor's blocks are not contiguous; an expert's, which `_state`
+    shards over ep instead), or the tensor itself."""
     if layout is None:
         return tensor
     if isinstance(tensor, DTensor):  # ZeRO 2/3 shards a tp shard again over dp: whole first
         tensor = tensor.full_tensor()
     dim, parts = layout
-    if parts == 1:
+    if parts == 1 and not expert:
         tp_mesh = training.mesh.device_mesh["tp"]
         return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
     return tp_tensor.unshard_tensor(tensor, dim, parts, training.mesh.group("tp"))
@@ -283,11 +290,11 @@ def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _state(training: Training) -> dict[str, Any]:
-    layouts = _layouts(training)
+    layouts, expert_keys = _layouts(training), _expert_keys(training)
     state: dict[str, Any] = {
-        key: _placed(tensor, layouts.get(key), training) for key, tensor in _live_tensors(training)
+        key: _placed(tensor, layouts.get(key), training, expert=key in expert_keys)
+        for key, tensor in _live_tensors(training)
     }
-    expert_keys = _expert_keys(training)
     if expert_keys:  # experts as DTensors sharded along dim 0 over ep: any ep reads them back
         group = training.expert_group
         assert group is not None
