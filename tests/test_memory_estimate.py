@@ -100,6 +100,10 @@ CASES = {
         ("token_mixing", ms.Plan(pp=2, tp=2, micro_batches=2, precision="bf16-mixed")),
         ("token_mixing", ms.Plan(dp=2, tp=2)),
         ("transformer", ms.Plan(pp=2, tp=2, micro_batches=2, precision="bf16-mixed")),
+        # ZeRO 3 with the whole model one FSDP2 unit (every block under 1 MiB rides the root):
+        # the gathered buffer is freed after its copy-out, as on the workers
+        ("transformer", ms.Plan(dp=4, zero=3)),
+        ("gpt2", ms.Plan(dp=2, tp=2, zero=3)),
     ],
     2: [
         ("transformer", ms.Plan(pp=2, micro_batches=4, recompute="always")),
@@ -111,6 +115,7 @@ CASES = {
         ("token_mixing", ms.Plan(pp=2, micro_batches=2)),
         # after llama's: a tp group that is the whole world keeps its staging across engines
         ("token_mixing", ms.Plan(tp=2)),
+        ("transformer", ms.Plan(dp=2, zero=2)),
     ],
 }
 

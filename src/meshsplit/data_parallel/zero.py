@@ -215,7 +215,9 @@ class _AsyncAllGather(_PlainBuffers, AllGather):
         if dist.get_backend(group) == "fake":  # the estimate's group sends nothing: the same
             for r in others:  # zeros each gather, so a recompute reads what its forward read
                 pieces[r].zero_()
-            return None
+            # a work, as a worker's gather returns: FSDP2 keeps the gathered buffer until the
+            # next unit's gather only after a synchronous one, which workers never run
+            return _AllOf([])
         works = _swap(group, {r: input_tensor for r in others}, {r: pieces[r] for r in others})
         return _AllOf(works) if works else None
 
