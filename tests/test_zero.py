@@ -8,6 +8,7 @@ stage 2 Ψ + 3Ψ/dp plus (FSDP2 keeps each shard beside its gathered copy) Ψ/dp
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -167,3 +168,36 @@ def test_zero_3_refuses_a_block_it_cannot_gather_and_leaves_the_model_whole(
     assert "Plan.zero=3" in message and "'1'" in message
     assert "torch.float32, torch.float64" in message and "zero=1" in message
     assert untouched
+
+
+def _warned(in_place: bool) -> list[str]:
+    """The warnings of two zero=3 steps of the reference transformer, whose output is a view;
+    with `in_place`, the loss scales that output in place first (and the step fails)."""
+    plain = loss_for("transformer")
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if in_place:
+            output.mul_(1.0)
+        return plain(output, target)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ms.parallelize(
+            build("transformer"), ms.Plan(dp=2, zero=3), optimizer=OPTIMIZERS["sgd"], loss_fn=loss
+        )
+        for x, y in batches("transformer", 8, 2):
+            engine.train_step(x, y)
+        engine.close()
+    return [str(w.message) for w in caught]
+
+
+def test_a_sharded_root_returning_a_view_is_checked_where_the_loss_reads_it() -> None:
+    """FSDP2 warns of any view its root returns (an in-place change drops its backward hook,
+    and with it every gradient of the shards); only the loss reads the root's output, so
+    meshsplit checks that instead: no warning for a loss computed out of place, a clear
+    error before backward for one that changes the output in place (it failed later, in the
+    non-finite check, with "stack expects a non-empty TensorList")."""
+    quiet = ms.launch(_warned, 2, args=(False,))[0]
+    assert not [m for m in quiet if "view" in m or "in place" in m], quiet
+    with pytest.raises(ms.WorkerError, match="loss_fn changed the model's output in place"):
+        ms.launch(_warned, 2, args=(True,))
