@@ -96,12 +96,24 @@ class Seq2Seq(nn.Module):
         return self.m(input_ids=ids, decoder_input_ids=ids).logits
 
 
-def _causal(model_class: str, config_class: str, **config: object) -> Callable[[], nn.Module]:
+def _from_config(
+    wrap: Callable[[nn.Module], nn.Module], model_class: str, config_class: str, **config: object
+) -> Callable[[], nn.Module]:
+    """A factory of `model_class` from `config_class(vocab_size=VOCAB, **config)`, wrapped."""
+
     def build() -> nn.Module:
         settings = getattr(transformers, config_class)(vocab_size=VOCAB, **config)
-        return Wrap(getattr(transformers, model_class)(settings))
+        return wrap(getattr(transformers, model_class)(settings))
 
     return build
+
+
+def _causal(model_class: str, config_class: str, **config: object) -> Callable[[], nn.Module]:
+    return _from_config(Wrap, model_class, config_class, **config)
+
+
+def _seq2seq(model_class: str, config_class: str, **config: object) -> Callable[[], nn.Module]:
+    return _from_config(Seq2Seq, model_class, config_class, **config)
 
 
 _LM = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4}
@@ -204,47 +216,41 @@ MORE: dict[str, Callable[[], nn.Module]] = {
             )
         )
     ),
-    "t5": lambda: Seq2Seq(
-        transformers.T5ForConditionalGeneration(
-            transformers.T5Config(
-                vocab_size=VOCAB,
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_decoder_layers=2,
-                num_heads=4,
-                dropout_rate=0.0,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-            )  # fmt: skip
-        )
+    "t5": _seq2seq(
+        "T5ForConditionalGeneration",
+        "T5Config",
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
     ),
     # BERT's masked-LM head: the decoder tied to the word embeddings, its bias also held by
     # the head as `predictions.bias` (an alias that must follow the split)
     "bert_mlm": _causal("BertForMaskedLM", "BertConfig", **_ENCODER),
     # M2M100 (NLLB's layout): one weight shared four ways (shared, both embed_tokens with
     # an embed_scale, lm_head), sinusoidal positions
-    "m2m100": lambda: Seq2Seq(
-        transformers.M2M100ForConditionalGeneration(
-            transformers.M2M100Config(
-                vocab_size=VOCAB,
-                d_model=32,
-                encoder_layers=2,
-                decoder_layers=2,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=64,
-                decoder_ffn_dim=64,
-                dropout=0.0,
-                attention_dropout=0.0,
-                encoder_layerdrop=0.0,
-                decoder_layerdrop=0.0,
-                max_position_embeddings=32,
-                pad_token_id=1,
-                decoder_start_token_id=2,
-            )  # fmt: skip
-        )
+    "m2m100": _seq2seq(
+        "M2M100ForConditionalGeneration",
+        "M2M100Config",
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        encoder_layerdrop=0.0,
+        decoder_layerdrop=0.0,
+        max_position_embeddings=32,
+        pad_token_id=1,
+        decoder_start_token_id=2,
     ),
 }
 """More architectures the README names, each tried under one hybrid plan."""
