@@ -78,17 +78,17 @@ def shard_layouts(module: nn.Module) -> dict[str, tuple[int, int]]:
     several names (tied weights, an alias such as BERT's `predictions.bias`) is listed under
     each, like the state dict lists it.
     """
-    layouts: dict[str, tuple[int, int]] = {}
-    by_tensor: dict[int, tuple[int, int]] = {}
-    for prefix, layer in module.named_modules(remove_duplicate=False):
-        if isinstance(layer, ParallelLayer):
-            for name, layout in layer.shard_layouts().items():
-                layouts[f"{prefix}.{name}" if prefix else name] = layout
-                by_tensor[id(layer.get_parameter(name))] = layout
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in by_tensor:
-            layouts.setdefault(name, by_tensor[id(param)])
-    return layouts
+    by_tensor = {
+        id(layer.get_parameter(name)): layout
+        for layer in module.modules()
+        if isinstance(layer, ParallelLayer)
+        for name, layout in layer.shard_layouts().items()
+    }
+    return {
+        name: by_tensor[id(param)]
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if id(param) in by_tensor
+    }
 
 
 def shard_dims(module: nn.Module) -> dict[str, int]:
