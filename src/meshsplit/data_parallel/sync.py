@@ -20,6 +20,7 @@ from torch import nn
 from meshsplit.data_parallel import ps
 from meshsplit.data_parallel.allreduce import GradientSync, LocalGradients
 from meshsplit.data_parallel.experts import WithExperts
+from meshsplit.data_parallel.shard_step import step_on_shards
 from meshsplit.data_parallel.zero import shard_optimizer, shard_state
 from meshsplit.job.context import before_exit
 from meshsplit.job.nonfinite import RIDERS
@@ -178,7 +179,10 @@ def training_state(
         if experts is not None:  # experts whole on their ep rank, summed over their group
             own = _sync(experts.parameters, experts.same_experts, plan, reduce_dtype)
             sync = WithExperts(sharded, own)
-        return TrainingState(sync, make_optimizer(parameters()), make_optimizer, True)
+        on_shards = make_optimizer(parameters())
+        if plan.offload != "optimizer":  # offloading moves the state around the step itself
+            step_on_shards(on_shards)
+        return TrainingState(sync, on_shards, make_optimizer, True)
     params = list(parameters())
     if experts is not None:  # Plan.ep > 1 without ZeRO 2/3
         held = {id(p) for p in experts.parameters}
