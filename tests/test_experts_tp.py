@@ -119,8 +119,15 @@ def _resumed(
             {"dp": 2, "ep": 2, "tp": 2},
             [{"dp": 2, "ep": 2, "tp": 2, "zero": 2}, {"dp": 4}],
         ),
+        # ZeRO 1 over the ranks holding the same experts: each rank saves the state it owns,
+        # its ep peers own the same names (the same dealing of the same shapes)
+        (
+            "mixtral",
+            {"dp": 4, "ep": 2, "zero": 1},
+            [{"dp": 4, "ep": 2, "zero": 1}, {"dp": 4, "ep": 4, "zero": 1}, {"dp": 4}],
+        ),
     ],
-    ids=["mixtral-tp2", "gpt_oss-tp2", "mixtral-ep2-tp2"],
+    ids=["mixtral-tp2", "gpt_oss-tp2", "mixtral-ep2-tp2", "mixtral-dp4-ep2-zero1"],
 )
 def test_a_checkpoint_of_split_experts_resumes_under_another_plan(
     tmp_path: Any, model: str, saved: dict[str, int], loads: list[dict[str, int]]

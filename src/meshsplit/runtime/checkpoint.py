@@ -71,13 +71,6 @@ class Training:
 
 def check_plan(plan: Plan) -> None:
     """Refuse checkpoints where the training state is not on the workers."""
-    if plan.ep > 1 and plan.zero == 1:
-        raise PlanError(
-            f"checkpoints of Plan.ep={plan.ep} with zero=1 are not supported yet: each rank "
-            "owns the optimizer state of other experts' parameters than its ep peers; use "
-            "zero=0, 2 or 3 with ep to checkpoint, or save full_state_dict()"
-        )
-
     if plan.sync == "ps":
         raise PlanError(
             "checkpoints of sync='ps' plans are not supported: the optimizer state lives "
