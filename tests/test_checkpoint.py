@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 import meshsplit as ms
 
@@ -52,10 +55,11 @@ def uninterrupted() -> tuple[list[float], dict]:
         (ms.Plan(dp=2), ms.Plan(tp=2)),
         (ms.Plan(dp=2, pp=2, micro_batches=2), ms.Plan(dp=2, tp=2)),
         # into ZeRO 2/3 (each rank takes its slice of every parameter and moment), and tp
-        # shards that ZeRO shards again over dp (saved whole over dp, under the tp layout)
+        # shards that ZeRO shards again over dp (saved in dp x tp pieces)
         (ms.Plan(dp=2, zero=3), ms.Plan(dp=2, zero=3)),
         (ms.Plan(), ms.Plan(dp=2, zero=2)),
         (ms.Plan(dp=2, tp=2, zero=2), ms.Plan(dp=2, tp=2, zero=3)),
+        (ms.Plan(dp=2, tp=2, zero=3), ms.Plan(tp=2)),
     ],
     ids=[
         "dp2-to-1",
@@ -66,6 +70,7 @@ def uninterrupted() -> tuple[list[float], dict]:
         "zero3-to-zero3",
         "1-to-zero2",
         "dp2tp2zero2-to-dp2tp2zero3",
+        "dp2tp2zero3-to-tp2",
     ],
 )
 def test_resume_across_plans_equals_uninterrupted(
@@ -91,6 +96,27 @@ def test_resume_across_plans_equals_uninterrupted(
     # and into one process with no process group at all
     partial = ms.load_full_state_dict(tmp_path)
     _assert_state(partial, first[0]["state"])
+
+
+def test_tp_shards_under_zero_3_are_saved_in_pieces_no_rank_gathers(tmp_path) -> None:
+    """A tp shard that ZeRO 3 shards again over dp is saved as dp x tp pieces, each rank its
+    own: gathering the tp shard over dp first would hold what ZeRO 3 is there to avoid."""
+    ms.launch(_train, 4, args=(ms.Plan(dp=2, tp=2, zero=3), range(1), None, str(tmp_path)))
+    folder = tmp_path / (tmp_path / "latest").read_text()
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    pieces = {
+        key: [math.prod(chunk.sizes) for chunk in item.chunks]
+        for key, item in saved.items()
+        if key.startswith(("model/", "optim/")) and len(item.size) > 0
+    }
+    # every weight is split over tp (fc1, fc3 by rows, fc2, fc4 by columns), and the biases of
+    # the row-split layers with it; the others' biases are whole over tp, sharded over dp
+    whole_over_tp = ("fc2.bias", "fc4.bias")
+    for key, sizes in pieces.items():
+        total = math.prod(saved[key].size)
+        parts = 2 if key.split("/")[1] in whole_over_tp else 4
+        assert sizes == [total // parts] * parts, key
+    assert len(pieces) == 8 * 3  # 8 parameters, each with two AdamW moments
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path) -> None:

@@ -23,10 +23,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshsplit import tensor as tp_tensor
 from meshsplit.memory import pools
-from meshsplit.mesh import Mesh
+from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
 
@@ -124,7 +125,7 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     with torch.no_grad():
         for key, live in _live_tensors(training):
             loaded = state.get(key)
-            if not isinstance(loaded, torch.Tensor) or loaded is live:  # read in place
+            if not isinstance(loaded, torch.Tensor) or _same_memory(loaded, live):  # read in place
                 continue
             # what `_placed` made whole over tp: a fused tensor, an expert split over ep too
             whole = key in layouts and (key in experts or not isinstance(loaded, DTensor))
@@ -241,18 +242,37 @@ def _layouts(training: Training) -> dict[str, tuple[int, int]]:
 def _placed(
     tensor: torch.Tensor, layout: tuple[int, int] | None, training: Training, *, expert: bool
 ) -> Any:
-    """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), the whole
-    tensor gathered (a fused tensor's blocks are not contiguous; an expert's, which `_state`
-    shards over ep instead), or the tensor itself."""
+    """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), over dp x tp
+    where ZeRO 2/3 shards it again, the whole tensor gathered (a fused tensor's blocks are not
+    contiguous; an expert's, which `_state` shards over ep instead), or the tensor itself."""
     if layout is None:
         return tensor
-    if isinstance(tensor, DTensor):  # ZeRO 2/3 shards a tp shard again over dp: whole first
-        tensor = tensor.full_tensor()
     dim, parts = layout
+    if isinstance(tensor, DTensor):  # ZeRO 2/3 shards a tp shard again over dp
+        if parts == 1 and not expert:
+            return _sharded_twice(tensor, dim, training)
+        tensor = tensor.full_tensor()
     if parts == 1 and not expert:
         tp_mesh = training.mesh.device_mesh["tp"]
         return DTensor.from_local(tensor, tp_mesh, [Shard(dim)], run_check=False)
     return tp_tensor.unshard_tensor(tensor, dim, parts, training.mesh.group("tp"))
+
+
+def _sharded_twice(shard: DTensor, dim: int, training: Training) -> DTensor:
+    """A tp shard (split along `dim`) that FSDP2 splits again along dim 0 over dp, as one
+    DTensor over the dp x tp mesh: each rank saves and reads its own piece, nothing is gathered
+    (the whole tp shard on every dp rank is what ZeRO 3 is there to avoid). Along one dim the
+    split is tp's first, then dp's within it: FSDP2's own `_StridedShard`."""
+    mesh = training.mesh.device_mesh["dp", "tp"]
+    tp = mesh.size(1)
+    over_dp = _StridedShard(0, split_factor=tp) if dim == 0 else Shard(0)
+    shape = list(shard.shape)
+    shape[dim] *= tp
+    whole = torch.empty(shape, device="meta")
+    return DTensor.from_local(
+        shard.to_local(), mesh, [over_dp, Shard(dim)], run_check=False,
+        shape=whole.shape, stride=whole.stride(),
+    )  # fmt: skip
 
 
 def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
@@ -266,6 +286,14 @@ def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
         whole = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
         value = whole.redistribute(mesh, live.placements).to_local()  # a slice, no messages
     live.to_local().copy_(value)
+
+
+def _same_memory(loaded: torch.Tensor, live: torch.Tensor) -> bool:
+    """Whether DCP read `loaded` into `live` itself (the same tensor, or its local piece)."""
+    if loaded is live:
+        return True
+    here, there = local_tensor(loaded), local_tensor(live)
+    return here.data_ptr() == there.data_ptr() and here.shape == there.shape
 
 
 def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
