@@ -180,8 +180,7 @@ def training_state(
             own = _sync(experts.parameters, experts.same_experts, plan, reduce_dtype)
             sync = WithExperts(sharded, own)
         on_shards = make_optimizer(parameters())
-        if plan.offload != "optimizer":  # offloading moves the state around the step itself
-            step_on_shards(on_shards)
+        step_on_shards(on_shards)
         return TrainingState(sync, on_shards, make_optimizer, True)
     params = list(parameters())
     if experts is not None:  # Plan.ep > 1 without ZeRO 2/3
