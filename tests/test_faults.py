@@ -35,6 +35,38 @@ def _state(engine: ms.Engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.runner.module.state_dict().items()}
 
 
+class _InfiniteGradient(torch.autograd.Function):
+    """Passes values through; its backward makes every gradient before it non-finite while
+    the loss stays finite."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
+
+
+class _BadBackward(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfiniteGradient.apply(x)
+
+
+def _bad_backward_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(784, 32), _BadBackward(), torch.nn.ReLU(),
+        torch.nn.Linear(32, 10),
+    )  # fmt: skip
+
+
+def _infinite_gradients(plan: ms.Plan) -> tuple[str, str]:
+    """A finite loss whose gradients are not: the error the step raises."""
+    engine = ms.parallelize(_bad_backward_model(), plan, optimizer=_sgd)
+    return _message(engine, *ms.data.synthetic_images(8))
+
+
 def _cases() -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = ms.data.synthetic_images(8)
@@ -50,6 +82,8 @@ def _cases() -> dict[str, Any]:
     rows = 8 if torch.distributed.get_rank() == 0 else 6  # a loader per rank, out of step
     results["uneven"] = _message(engine, x[:rows], y[:rows])
     results["uneven untouched"] = all(torch.equal(v, _state(engine)[k]) for k, v in before.items())
+    for zero in (2, 3):  # the gradient shards FSDP2 reduced, looked at on each rank
+        results[f"infinite gradients zero={zero}"] = _infinite_gradients(ms.Plan(dp=2, zero=zero))
     bad = x.clone()
     bad[3] = float("nan")
     for mode in ("raise", "skip"):
@@ -94,6 +128,22 @@ def test_a_nan_stops_every_rank_naming_step_rank_and_parameter(
         assert "rank 1 (dp 1, pp stage 0, tp 0): loss finite" in message, message
         assert "fc1.weight" in message and "nonfinite='skip'" in message, message
         assert results["nan raise untouched"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_non_finite_gradients_of_a_finite_loss_stop_a_sharded_step(
+    per_rank: list[dict[str, Any]], zero: int
+) -> None:
+    for results in per_rank:
+        kind, message = results[f"infinite gradients zero={zero}"]
+        assert kind == "NonFiniteError", message
+        assert "loss finite" in message and "first non-finite gradient: 1.weight" in message
+
+
+def test_non_finite_gradients_of_a_finite_loss_stop_one_process() -> None:
+    (kind, message), *_ = ms.launch(_infinite_gradients, 1, args=(ms.Plan(),), timeout_s=60)
+    assert kind == "NonFiniteError", message
+    assert "loss finite" in message and "first non-finite gradient: 1.weight" in message
 
 
 def test_skip_drops_the_update_on_every_rank_and_training_goes_on(

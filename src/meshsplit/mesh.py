@@ -22,7 +22,10 @@ AXES = ("dp", "pp", "tp")
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `tensor`: its shard when it is a DTensor (FSDP2's sharded
     parameters, their gradients and optimizer state), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():  # the shard itself, not a view made through autograd
+        return tensor.to_local()
 
 
 def job_timeout(device: torch.device) -> timedelta | None:

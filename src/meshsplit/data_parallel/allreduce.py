@@ -65,7 +65,7 @@ class GradientSync:
         """The dtype buckets are summed in (Plan.reduce_dtype; None: their own)."""
         self.scan = scan
         """Sum this replica's share of each bucket as its all-reduce completes, while later
-        ones are in flight (the non-finite check reads the sums: see gradient_sums); the
+        ones are in flight (the non-finite check reads the sums: see gradient_probes); the
         whole bucket when riders carry the check's flags (no exchange of its own after)."""
         self._sums: list[torch.Tensor] = []
         self._replica, self._replicas = dist.get_rank(group), dist.get_world_size(group)
@@ -185,7 +185,7 @@ class GradientSync:
         """The buffers every gradient lives in."""
         return [bucket.grads for bucket in self.buckets]
 
-    def gradient_sums(self) -> list[torch.Tensor]:
+    def gradient_probes(self) -> list[torch.Tensor]:
         """float32 sums of the buckets (a NaN or infinity anywhere shows in one). With `scan`
         they were taken in finish, this replica's 1/dp of each bucket: the replicas' shares
         cover every bucket once, and the check sums its flag over them all (with riders, the
@@ -204,6 +204,14 @@ class GradientSync:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+
+
+def largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The largest |value| of each non-empty tensor, in one call (NaN where a tensor holds
+    one): all finite iff every tensor is. One op for many small gradients where a sum each was
+    one op apiece, and, unlike a float32 sum, large finite values cannot add up to infinity."""
+    held = [t for t in tensors if t.numel()]
+    return list(torch._foreach_norm(held, float("inf"))) if held else []
 
 
 class LocalGradients:
@@ -227,8 +235,8 @@ class LocalGradients:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def gradient_sums(self) -> list[torch.Tensor]:
-        return [g.sum(dtype=torch.float32) for g in self.gradient_tensors()]
+    def gradient_probes(self) -> list[torch.Tensor]:
+        return largest_magnitudes(self.gradient_tensors())
 
     def newest_parameters(self) -> None:
         """Nothing to do: there is one replica."""

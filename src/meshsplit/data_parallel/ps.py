@@ -105,7 +105,7 @@ class ParameterClient:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [self.gradient]
 
-    def gradient_sums(self) -> list[torch.Tensor]:
+    def gradient_probes(self) -> list[torch.Tensor]:
         return [self.gradient.sum(dtype=torch.float32)]
 
     def gradient_bytes(self) -> int:

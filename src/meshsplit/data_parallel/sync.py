@@ -49,8 +49,9 @@ class Sync(Protocol):
         """The tensors holding this rank's gradients now (buckets, shards)."""
         ...
 
-    def gradient_sums(self) -> list[torch.Tensor]:
-        """float32 sums of this rank's gradients: a NaN or infinity anywhere shows in one."""
+    def gradient_probes(self) -> list[torch.Tensor]:
+        """Numbers made from this rank's gradients (sums, largest magnitudes): a NaN or
+        infinity anywhere shows in one."""
         ...
 
     def gradient_bytes(self) -> int:

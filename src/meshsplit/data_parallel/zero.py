@@ -21,7 +21,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from meshsplit.data_parallel.allreduce import GradientSync
+from meshsplit.data_parallel.allreduce import GradientSync, largest_magnitudes
 from meshsplit.mesh import local_tensor
 from meshsplit.plan import PlanError
 
@@ -330,16 +330,13 @@ class ShardedGradients:
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """This rank's gradient shards (after backward; none between steps), and the buckets."""
-        shards = [local_tensor(p.grad) for p in self.sharded if p.grad is not None]
-        return [*shards, *self.whole.gradient_tensors()]
+        return [*self._shards(), *self.whole.gradient_tensors()]
 
-    def gradient_sums(self) -> list[torch.Tensor]:
-        shards = [
-            local_tensor(p.grad).sum(dtype=torch.float32)
-            for p in self.sharded
-            if p.grad is not None
-        ]
-        return [*shards, *self.whole.gradient_sums()]
+    def gradient_probes(self) -> list[torch.Tensor]:
+        return [*largest_magnitudes(self._shards()), *self.whole.gradient_probes()]
+
+    def _shards(self) -> list[torch.Tensor]:
+        return [local_tensor(p.grad) for p in self.sharded if p.grad is not None]
 
     def gradient_bytes(self) -> int:
         """What this rank's gradients take while they exist."""

@@ -215,7 +215,8 @@ class Engine:
                 overflow_skips=scaled,
             )  # fmt: skip
             if agreed.finite:
-                self.precision.unscale(parts.sync.gradient_tensors())
+                if scaled:  # fp16: the list itself costs a walk over the parameters
+                    self.precision.unscale(parts.sync.gradient_tensors())
                 if parts.batchnorm:  # a walk over every module: only when there is one
                     commit_batchnorm(parts.runner.module)
                 with phase("optimizer step"):
