@@ -4,7 +4,8 @@ The whole cross product of eight plans (1, dp2, tp2, pp2, dp2 x pp2, dp2 x tp2, 
 dp2 x pp2 x tp2) for checkpoints written after the first step, and checkpoints written
 before it (by a plan that splits at parallelize and by one that waits for a batch) loaded
 under all eight, on a model no other test uses (a GPT-style decoder whose blocks sit in an
-nn.ModuleList, with a fused qkv projection and a learned position table on the root). Every
+nn.ModuleList, with a fused qkv projection, a learned position table on the root and the
+head tied to the embedding, held by two stages under pp, whose momentum must survive). Every
 load is followed by one step, whose loss and resulting state must equal one uninterrupted
 process at that step. Loading comes right after parallelize, before any step: the natural
 order.
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 import meshsplit as ms
 
@@ -78,6 +80,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(4))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB)
+        self.head.weight = self.emb.weight  # tied: two names, one tensor and one state
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids) + self.pos[: ids.shape[1]]
@@ -178,3 +181,37 @@ def test_checkpoints_load_under_every_plan(tmp_path: Path) -> None:
                         state[key], value, rtol=RTOL, atol=ATOL,
                         msg=lambda m, case=case, key=key: f"{case} {key}: {m}",
                     )  # fmt: skip
+
+
+def _save_tie_under_last_name(root: str) -> None:
+    """pp2, one step, saved as a layer split once named a tied parameter: by its last name."""
+    from meshsplit.pipeline.runner import PipelineRunner
+
+    def last_names(runner: PipelineRunner) -> dict[torch.Tensor, str]:
+        return {t: n for n, t in runner._state.items() if isinstance(t, nn.Parameter)}
+
+    PipelineRunner.parameter_names = last_names  # type: ignore[method-assign]
+    engine = _engine("pp2")
+    engine.train_step(*_batches()[0])
+    engine.save(Path(root, "old"))
+    engine.close()
+
+
+def _resume(root: str) -> tuple[float, dict[str, torch.Tensor]]:
+    engine = _engine("dp2")
+    engine.load(Path(root, "old"))
+    loss = engine.train_step(*_batches()[1])
+    return loss, engine.full_state_dict()
+
+
+def test_a_tied_parameters_state_saved_under_its_last_name_still_resumes(tmp_path: Path) -> None:
+    ms.launch(_save_tie_under_last_name, 2, args=(str(tmp_path),), timeout_s=120)
+    folder = tmp_path / "old" / (tmp_path / "old" / "latest").read_text()
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    assert "optim/head.weight/momentum_buffer" in saved
+    assert "optim/emb.weight/momentum_buffer" not in saved
+    losses, states = _reference()
+    for loss, state in ms.launch(_resume, 2, args=(str(tmp_path),), timeout_s=120):
+        assert loss == pytest.approx(losses[1], rel=RTOL, abs=ATOL)
+        for key, value in states[1].items():
+            torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL, msg=key)

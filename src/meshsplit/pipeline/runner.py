@@ -161,8 +161,14 @@ class PipelineRunner:
         return {name: tensor.detach() for name, tensor in self._state.items()}
 
     def parameter_names(self) -> dict[torch.Tensor, str]:
-        """This stage's parameters under the original model's names."""
-        return {t: n for n, t in self._state.items() if isinstance(t, nn.Parameter)}
+        """This stage's parameters under the original model's names: a tied one under its
+        first (as `named_parameters()` names it without a layer split), so its optimizer
+        state has one name under every plan."""
+        names: dict[torch.Tensor, str] = {}
+        for name, tensor in self._state.items():
+            if isinstance(tensor, nn.Parameter):
+                names.setdefault(tensor, name)
+        return names
 
     def describe(self) -> dict[str, Any]:
         return self._description
