@@ -119,6 +119,68 @@ def test_tp_shards_under_zero_3_are_saved_in_pieces_no_rank_gathers(tmp_path) ->
     assert len(pieces) == 8 * 3  # 8 parameters, each with two AdamW moments
 
 
+def _halving(optimizer: torch.optim.Optimizer) -> None:
+    """A learning-rate schedule that moves from where it is (as torch's chainable ones do)."""
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.5
+
+
+def _train_halving(plan: ms.Plan, steps: range, load_from: str | None, save_to: str | None):
+    engine = ms.parallelize(build(MODEL), plan, optimizer=_sgd, loss_fn=loss_for(MODEL))
+    if load_from:
+        engine.load(load_from)
+    data = batches(MODEL, BATCH, 6)
+    for step in steps:
+        engine.train_step(*data[step])
+        _halving(engine.optimizer)
+    if save_to:
+        engine.save(save_to)
+    state, lrs = engine.full_state_dict(), [g["lr"] for g in engine.optimizer.param_groups]
+    engine.close()
+    return state, lrs
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    ("saved_under", "loaded_under"),
+    [
+        (ms.Plan(dp=2), ms.Plan(dp=2, zero=1)),
+        (ms.Plan(dp=2, zero=1), ms.Plan(pp=2, micro_batches=2)),
+    ],
+    ids=["dp2-to-zero1", "zero1-to-pp2"],
+)
+def test_a_learning_rate_schedule_resumes_where_it_was(
+    tmp_path, saved_under: ms.Plan, loaded_under: ms.Plan
+) -> None:
+    model = build(MODEL)
+    optimizer = _sgd(model.parameters())
+    for x, y in batches(MODEL, BATCH, 6):
+        optimizer.zero_grad()
+        loss_for(MODEL)(model(x), y).backward()
+        optimizer.step()
+        _halving(optimizer)
+    ms.launch(_train_halving, 2, args=(saved_under, range(3), None, str(tmp_path)))
+    for state, lrs in ms.launch(
+        _train_halving, 2, args=(loaded_under, range(3, 6), str(tmp_path), None)
+    ):
+        assert lrs == [0.1 * 0.5**6]  # not 0.1 * 0.5**3: the schedule did not start again
+        _assert_state(state, model.state_dict())
+
+
+def test_settings_of_another_number_of_groups_are_left_as_the_factory_made_them() -> None:
+    from meshsplit.runtime import optimizer_settings
+
+    weight, bias = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    saved = optimizer_settings.settings(torch.optim.SGD([weight, bias], lr=0.5))
+    two_groups = torch.optim.SGD([{"params": [weight]}, {"params": [bias], "lr": 0.2}], lr=0.1)
+    with pytest.warns(UserWarning, match="1 optimizer parameter groups and this optimizer has 2"):
+        optimizer_settings.restore(two_groups, saved)
+    assert [g["lr"] for g in two_groups.param_groups] == [0.1, 0.2]
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path) -> None:
     ms.launch(_train, 1, args=(ms.Plan(), range(2), None, str(tmp_path)))
     good = ms.load_full_state_dict(tmp_path)

@@ -30,12 +30,15 @@ from meshsplit.memory import pools
 from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
+from meshsplit.runtime import optimizer_settings
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
 LATEST = "latest"
 LOSS_SCALE = "amp/loss_scale"
 """fp16's loss scale and its clean steps, as one tensor (the same on every rank)."""
+SETTINGS = "optim_settings"
+"""Each optimizer parameter group's settings (lr, ...): what a schedule has moved."""
 KEEP = 2
 """Complete checkpoints kept in a directory; older ones are removed after a good save."""
 
@@ -118,7 +121,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     state = {
         key: value
         for key, value in state.items()
-        if not key.startswith(("optim/", "rng/", LOSS_SCALE)) or key in metadata.state_dict_metadata
+        if not key.startswith(("optim/", SETTINGS, "rng/", LOSS_SCALE))
+        or key in metadata.state_dict_metadata
     }
     _check_fits(state, metadata, path)
     dcp.load(state, storage_reader=FileSystemReader(path))
@@ -139,6 +143,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
                 rank, size = dist.get_rank(group), dist.get_world_size(group)
                 value = tp_tensor.local_shard(value, dim, parts, rank, size)
             _copy_into(live, value)
+    if SETTINGS in state and training.optimizer is not None:
+        optimizer_settings.restore(training.optimizer, state[SETTINGS])
     progress = state["progress"]
     training.steps = progress["steps"]
     training.data_position = dict(progress["data_position"])
@@ -351,6 +357,8 @@ def _state(training: Training) -> dict[str, Any]:
     scale = training.precision.loss_scale if training.precision is not None else None
     if scale is not None:  # the same on every rank
         state[LOSS_SCALE] = torch.tensor([scale.value, scale.clean_steps], dtype=torch.float64)
+    if training.optimizer is not None:
+        state[SETTINGS] = optimizer_settings.settings(training.optimizer)
     state["progress"] = {"steps": training.steps, "data_position": dict(training.data_position)}
     return state
 
