@@ -181,6 +181,30 @@ def test_settings_of_another_number_of_groups_are_left_as_the_factory_made_them(
     assert [g["lr"] for g in two_groups.param_groups] == [0.1, 0.2]
 
 
+def test_optimizer_state_missing_from_a_checkpoint_is_said_and_a_tied_alias_is_found() -> None:
+    import warnings
+
+    from meshsplit.runtime.optimizer_keys import match_saved
+
+    tied, other = torch.ones(4), torch.ones(3)
+    names = {"emb.weight": tied, "head.weight": tied, "norm.weight": other}
+    wanted = ["optim/emb.weight/exp_avg", "optim/norm.weight/exp_avg"]
+    # the tie's state under its other name is found, and nothing is missing
+    state = dict.fromkeys(wanted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        renamed = match_saved(state, {"optim/head.weight/exp_avg": 1, wanted[1]: 1}, names)
+    assert renamed == {"optim/head.weight/exp_avg": wanted[0]}
+    assert set(state) == {"optim/head.weight/exp_avg", wanted[1]}
+    # one of two missing: said, with its key
+    with pytest.warns(UserWarning, match=r"no optimizer state for 1 of this rank's 2 .*norm"):
+        match_saved(dict.fromkeys(wanted), {wanted[0]: 1}, names)
+    # none saved (a checkpoint written before the first step): nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        match_saved(dict.fromkeys(wanted), {}, names)
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path) -> None:
     ms.launch(_train, 1, args=(ms.Plan(), range(2), None, str(tmp_path)))
     good = ms.load_full_state_dict(tmp_path)

@@ -30,7 +30,7 @@ from meshsplit.memory import pools
 from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
-from meshsplit.runtime import optimizer_settings
+from meshsplit.runtime import optimizer_keys, optimizer_settings
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
@@ -117,7 +117,9 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     _ensure_optimizer_state(training)
     state = _state(training)
     rng_key = f"rng/rank{dist.get_rank()}"
-    renamed = _saved_under_aliases(state, metadata, training)
+    renamed = optimizer_keys.match_saved(
+        state, metadata.state_dict_metadata, training.runner.local_state_dict()
+    )
     state = {
         key: value
         for key, value in state.items()
@@ -155,28 +157,6 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
         value, clean_steps = state[LOSS_SCALE].tolist()
         scale.load_state_dict({"scale": value, "clean_steps": clean_steps})
     return path
-
-
-def _saved_under_aliases(
-    state: dict[str, Any], metadata: Metadata, training: Training
-) -> dict[str, str]:
-    """Re-key, in `state`, the optimizer state of a tied parameter that the checkpoint holds
-    under another of its names (a layer split once named it by its last): saved key -> key."""
-    saved = metadata.state_dict_metadata
-    names: dict[tuple[int, torch.Size], list[str]] = {}
-    for name, tensor in training.runner.local_state_dict().items():
-        if tensor.numel():  # empty tensors share no data, whatever their pointers say
-            names.setdefault((local_tensor(tensor).data_ptr(), tensor.shape), []).append(name)
-    aliases = {n: others for others in names.values() if len(others) > 1 for n in others}
-    renamed = {}
-    for key in [k for k in state if k.startswith("optim/") and k not in saved]:
-        _, name, item = key.split("/", 2)
-        found = [f"optim/{a}/{item}" for a in aliases.get(name, ())]
-        saved_key = next((k for k in found if k in saved and k not in state), None)
-        if saved_key is not None:
-            state[saved_key] = state.pop(key)
-            renamed[saved_key] = key
-    return renamed
 
 
 def resolve(directory: str | os.PathLike[str]) -> Path:
