@@ -50,8 +50,8 @@ class Sync(Protocol):
         ...
 
     def gradient_probes(self) -> list[torch.Tensor]:
-        """Numbers made from this rank's gradients (sums, largest magnitudes): a NaN or
-        infinity anywhere shows in one."""
+        """float32 sums of this rank's gradients (or of their buckets): a NaN or infinity
+        anywhere shows in one."""
         ...
 
     def gradient_bytes(self) -> int:

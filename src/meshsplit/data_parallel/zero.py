@@ -21,7 +21,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from meshsplit.data_parallel.allreduce import GradientSync, largest_magnitudes
+from meshsplit.data_parallel.allreduce import GradientSync, float32_sums
 from meshsplit.mesh import local_tensor
 from meshsplit.plan import PlanError
 
@@ -333,7 +333,7 @@ class ShardedGradients:
         return [*self._shards(), *self.whole.gradient_tensors()]
 
     def gradient_probes(self) -> list[torch.Tensor]:
-        return [*largest_magnitudes(self._shards()), *self.whole.gradient_probes()]
+        return [*float32_sums(self._shards()), *self.whole.gradient_probes()]
 
     def _shards(self) -> list[torch.Tensor]:
         return [local_tensor(p.grad) for p in self.sharded if p.grad is not None]
