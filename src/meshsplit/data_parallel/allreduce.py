@@ -65,7 +65,7 @@ class GradientSync:
         """The dtype buckets are summed in (Plan.reduce_dtype; None: their own)."""
         self.scan = scan
         """Sum this replica's share of each bucket as its all-reduce completes, while later
-        ones are in flight (the non-finite check reads the sums: see gradient_probes); the
+        ones are in flight (the non-finite check reads the sums: see gradient_sums); the
         whole bucket when riders carry the check's flags (no exchange of its own after)."""
         self._sums: list[torch.Tensor] = []
         self._replica, self._replicas = dist.get_rank(group), dist.get_world_size(group)
@@ -185,14 +185,14 @@ class GradientSync:
         """The buffers every gradient lives in."""
         return [bucket.grads for bucket in self.buckets]
 
-    def gradient_probes(self) -> list[torch.Tensor]:
+    def gradient_sums(self) -> list[torch.Tensor]:
         """float32 sums of the buckets (a NaN or infinity anywhere shows in one). With `scan`
         they were taken in finish, this replica's 1/dp of each bucket: the replicas' shares
         cover every bucket once, and the check sums its flag over them all (with riders, the
         whole of each: every replica's answer is then the same without summing it)."""
         if self.scan and len(self._sums) == len(self.buckets):
             return self._sums
-        return [bucket.grads.sum(dtype=torch.float32) for bucket in self.buckets]
+        return float32_sums(self.gradient_tensors())
 
     def newest_parameters(self) -> None:
         """Nothing to do: every replica applied the same summed gradients."""
@@ -207,9 +207,9 @@ class GradientSync:
 
 
 def float32_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's float32 sum: a NaN or infinity anywhere shows in its sum. (One
-    `_foreach_norm(inf)` call instead took 9.3 ms against 0.6 for the sums over the benchmark
-    MLP's gradients on this CPU; the 2-norm squares, overflowing on large finite values.)"""
+    """Each tensor's float32 sum: a NaN or infinity anywhere shows in its sum (one
+    `_foreach_norm(inf)` took 9.3 ms against 0.6 for these sums of the layer-split benchmark's
+    gradients on a CPU; the 2-norm squares, overflowing on large finite values)."""
     return [t.sum(dtype=torch.float32) for t in tensors]
 
 
@@ -234,7 +234,7 @@ class LocalGradients:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params if p.grad is not None]
 
-    def gradient_probes(self) -> list[torch.Tensor]:
+    def gradient_sums(self) -> list[torch.Tensor]:
         return float32_sums(self.gradient_tensors())
 
     def newest_parameters(self) -> None:

@@ -41,8 +41,8 @@ class WithExperts:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [*self.dense.gradient_tensors(), *self.experts.gradient_tensors()]
 
-    def gradient_probes(self) -> list[torch.Tensor]:
-        return [*self.dense.gradient_probes(), *self.experts.gradient_probes()]
+    def gradient_sums(self) -> list[torch.Tensor]:
+        return [*self.dense.gradient_sums(), *self.experts.gradient_sums()]
 
     def gradient_bytes(self) -> int:
         return self.dense.gradient_bytes() + self.experts.gradient_bytes()

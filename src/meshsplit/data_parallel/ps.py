@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshsplit.data_parallel.allreduce import float32_sums
 from meshsplit.data_parallel.ps_layout import pieces, server_ranges
 from meshsplit.job.context import LeaveJob, job_store
 from meshsplit.plan import Plan, PlanError
@@ -105,8 +106,8 @@ class ParameterClient:
     def gradient_tensors(self) -> list[torch.Tensor]:
         return [self.gradient]
 
-    def gradient_probes(self) -> list[torch.Tensor]:
-        return [self.gradient.sum(dtype=torch.float32)]
+    def gradient_sums(self) -> list[torch.Tensor]:
+        return float32_sums(self.gradient_tensors())
 
     def gradient_bytes(self) -> int:
         return self.gradient.nbytes

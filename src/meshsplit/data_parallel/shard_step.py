@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from meshsplit.mesh import local_tensor
+
 __all__: list[str] = []
 
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -29,16 +31,13 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 a tensor, as LAMB's or Adafactor's): updating each shard is updating the whole tensor."""
 
 
-def step_on_shards(optimizer: torch.optim.Optimizer) -> bool:
+def step_on_shards(optimizer: torch.optim.Optimizer) -> None:
     """Make `optimizer` step over its sharded parameters' local shards, when its update is
-    element-wise (its exact class is one of ELEMENTWISE: a subclass may add a norm); whether
-    it does."""
-    if type(optimizer) not in ELEMENTWISE:
-        return False
-    swap = _ShardSwap(optimizer)
-    optimizer.register_step_pre_hook(swap.to_shards)
-    optimizer.register_step_post_hook(swap.to_dtensors)
-    return True
+    element-wise (its exact class is one of ELEMENTWISE: a subclass may add a norm)."""
+    if type(optimizer) in ELEMENTWISE:
+        swap = _ShardSwap(optimizer)
+        optimizer.register_step_pre_hook(swap.to_shards)
+        optimizer.register_step_post_hook(swap.to_dtensors)
 
 
 class _ShardSwap:
@@ -63,11 +62,11 @@ class _ShardSwap:
     def _shard_of(self, param: torch.Tensor, state: dict[Any, Any]) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return param
-        shard = param.to_local()  # no grad: the DTensor's own local tensor, the same each step
-        shard.grad = None if param.grad is None else _local(param.grad)
+        shard = local_tensor(param)  # the DTensor's own local tensor, the same each step
+        shard.grad = None if param.grad is None else local_tensor(param.grad)
         held = state.get(param, {})
         if held:
-            state[shard] = {k: _local(v) for k, v in held.items()}
+            state[shard] = {k: local_tensor(v) for k, v in held.items()}
         self._swapped.append((param, shard, held))
         return shard
 
@@ -86,15 +85,11 @@ class _ShardSwap:
         self._groups, self._swapped = [], []
 
 
-def _local(value: Any) -> Any:
-    return value.to_local() if isinstance(value, DTensor) else value
-
-
 def _as_dtensor(value: Any, param: DTensor, shard: torch.Tensor, before: Any) -> Any:
     """A state value the step left: the DTensor it was unwrapped from, a new tensor shaped as
     the shard wrapped as the parameter is (momenta, averages), anything else as it is (step
     counts)."""
-    if isinstance(before, DTensor) and before.to_local() is value:
+    if isinstance(before, DTensor) and local_tensor(before) is value:
         return before
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape:
         return DTensor.from_local(

@@ -49,9 +49,8 @@ class Sync(Protocol):
         """The tensors holding this rank's gradients now (buckets, shards)."""
         ...
 
-    def gradient_probes(self) -> list[torch.Tensor]:
-        """float32 sums of this rank's gradients (or of their buckets): a NaN or infinity
-        anywhere shows in one."""
+    def gradient_sums(self) -> list[torch.Tensor]:
+        """float32 sums of this rank's gradients: a NaN or infinity anywhere shows in one."""
         ...
 
     def gradient_bytes(self) -> int:
@@ -180,9 +179,9 @@ def training_state(
         if experts is not None:  # experts whole on their ep rank, summed over their group
             own = _sync(experts.parameters, experts.same_experts, plan, reduce_dtype)
             sync = WithExperts(sharded, own)
-        on_shards = make_optimizer(parameters())
-        step_on_shards(on_shards)
-        return TrainingState(sync, on_shards, make_optimizer, True)
+        sharded_optimizer = make_optimizer(parameters())
+        step_on_shards(sharded_optimizer)
+        return TrainingState(sync, sharded_optimizer, make_optimizer, True)
     params = list(parameters())
     if experts is not None:  # Plan.ep > 1 without ZeRO 2/3
         held = {id(p) for p in experts.parameters}

@@ -332,8 +332,8 @@ class ShardedGradients:
         """This rank's gradient shards (after backward; none between steps), and the buckets."""
         return [*self._shards(), *self.whole.gradient_tensors()]
 
-    def gradient_probes(self) -> list[torch.Tensor]:
-        return [*float32_sums(self._shards()), *self.whole.gradient_probes()]
+    def gradient_sums(self) -> list[torch.Tensor]:
+        return [*float32_sums(self._shards()), *self.whole.gradient_sums()]
 
     def _shards(self) -> list[torch.Tensor]:
         return [local_tensor(p.grad) for p in self.sharded if p.grad is not None]

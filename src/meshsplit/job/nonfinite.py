@@ -77,7 +77,7 @@ def riders(
 def agree_carried(
     carried: torch.Tensor,
     loss: torch.Tensor,
-    gradient_probes: Callable[[], list[torch.Tensor]],
+    gradient_sums: Callable[[], list[torch.Tensor]],
     named: Iterable[tuple[str, nn.Parameter]],
     *,
     rows: int,
@@ -90,7 +90,7 @@ def agree_carried(
     """`agree` for ranks that all hold the same summed gradients (data parallel alone), its
     numbers already summed as `carried` riders: the gradients are looked at here, whole,
     and every rank sees the same; one host sync, for the loss."""
-    bad_loss, bad_grads = _local_flags(loss, gradient_probes, mode, overflow_skips)
+    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     values = torch.cat([carried.to(torch.float64), bad_grads.reshape(1)]).tolist()
     total, losses_flagged, grads_flagged = values[0], values[1], values[-1]
     members = dist.get_world_size(group)
@@ -105,7 +105,7 @@ def agree_carried(
 
 def agree(
     loss: torch.Tensor,
-    gradient_probes: Callable[[], list[torch.Tensor]],
+    gradient_sums: Callable[[], list[torch.Tensor]],
     named: Iterable[tuple[str, nn.Parameter]],
     *,
     loss_scale: float,
@@ -129,7 +129,7 @@ def agree(
     ranks fed different batches (a DataLoader per rank) raise InputError before the update.
     'off' looks at neither (the memory estimate replays steps on collectives that do not
     sum)."""
-    bad_loss, bad_grads = _local_flags(loss, gradient_probes, mode, overflow_skips)
+    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     mine = loss.detach().to(torch.float64) * loss_scale
     packet = torch.stack(
         [mine, bad_loss, bad_grads, mine.new_tensor(rows), mine.new_tensor(rows * rows)]
@@ -147,19 +147,19 @@ def agree(
 
 def _local_flags(
     loss: torch.Tensor,
-    gradient_probes: Callable[[], list[torch.Tensor]],
+    gradient_sums: Callable[[], list[torch.Tensor]],
     mode: str,
     overflow_skips: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """1.0 (float64) where this rank's loss, or its gradients' probes, are not finite; zeros
+    """1.0 (float64) where this rank's loss, or its gradients' sums, are not finite; zeros
     when neither is looked at (mode 'off' without a loss scale)."""
     bad_loss = torch.zeros((), dtype=torch.float64, device=loss.device)
     if mode == "off" and not overflow_skips:
         return bad_loss, bad_loss
     bad_loss = (~loss.detach().sum(dtype=torch.float32).isfinite()).to(torch.float64)
-    probes = gradient_probes()  # none where this rank holds no gradient (an empty shard)
-    if probes:
-        bad_grads = (~torch.stack(probes).isfinite().all()).to(torch.float64)
+    sums = gradient_sums()  # none where this rank holds no gradient (an empty shard)
+    if sums:
+        bad_grads = (~torch.stack(sums).isfinite().all()).to(torch.float64)
     else:
         bad_grads = torch.zeros_like(bad_loss)
     return bad_loss, bad_grads

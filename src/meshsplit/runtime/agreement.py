@@ -80,11 +80,11 @@ def finish(
     carrying = _riding(sync)
     if carrying is not None:
         return agree_carried(
-            carrying.carried(), loss, sync.gradient_probes, named, rows=rows,
+            carrying.carried(), loss, sync.gradient_sums, named, rows=rows,
             mode=plan.nonfinite, step=step, where=where, group=carrying.group,
             overflow_skips=overflow_skips,
         )  # fmt: skip
     return agree(
-        loss, sync.gradient_probes, named, loss_scale=share, rows=rows, mode=plan.nonfinite,
+        loss, sync.gradient_sums, named, loss_scale=share, rows=rows, mode=plan.nonfinite,
         step=step, where=where, group=group, overflow_skips=overflow_skips,
     )  # fmt: skip

@@ -138,7 +138,7 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
                 continue
             # what `_placed` made whole over tp: a fused tensor, an expert split over ep too
             whole = key in layouts and (key in experts or not isinstance(loaded, DTensor))
-            value = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+            value = local_tensor(loaded)
             if whole:
                 dim, parts = layouts[key]
                 group = training.mesh.group("tp")
@@ -281,7 +281,7 @@ def _sharded_twice(shard: DTensor, dim: int, training: Training) -> DTensor:
     shape[dim] *= tp
     whole = torch.empty(shape, device="meta")
     return DTensor.from_local(
-        shard.to_local(), mesh, [over_dp, Shard(dim)], run_check=False,
+        local_tensor(shard), mesh, [over_dp, Shard(dim)], run_check=False,
         shape=whole.shape, stride=whole.stride(),
     )  # fmt: skip
 
