@@ -20,8 +20,8 @@ def match_saved(
 ) -> dict[str, str]:
     """Re-key, in `state`, the optimizer state of a tied parameter that the checkpoint
     (`saved`: its keys) holds under another of its `names` (a layer split once named it by its
-    last); warn when it holds some of this rank's optimizer state but not all. Returns saved
-    key -> key."""
+    last); warn when it holds some of this rank's optimizer state but not all, or another
+    optimizer's and none of this one's. Returns saved key -> key."""
     shared: dict[tuple[int, torch.Size], list[str]] = {}
     for name, tensor in names.items():
         if tensor.numel():  # empty tensors share no data, whatever their pointers say
@@ -37,11 +37,21 @@ def match_saved(
             renamed[saved_key] = key
     wanted = [k for k in state if k.startswith("optim/")]
     missing = [k for k in wanted if k not in saved]
-    if missing and len(missing) < len(wanted):  # none at all: saved before the first step
+    if missing and len(missing) < len(wanted):
         warnings.warn(
             f"the checkpoint holds no optimizer state for {len(missing)} of this rank's "
             f"{len(wanted)} optimizer state tensors (e.g. {', '.join(missing[:3])}): those "
             "start as a fresh optimizer's",
+            stacklevel=4,
+        )
+    elif missing and any(k.startswith("optim/") for k in saved):
+        # none of ours, though the saving run's optimizer had state: another optimizer class
+        # (a checkpoint saved before the first step, or by a stateless one, holds none at all)
+        others = sorted({k.rsplit("/", 1)[1] for k in saved if k.startswith("optim/")})
+        warnings.warn(
+            f"the checkpoint holds optimizer state ({', '.join(others[:4])}) but none of this "
+            f"rank's {len(wanted)} optimizer state tensors (e.g. {', '.join(missing[:3])}): "
+            "was it saved with another optimizer? This optimizer starts fresh",
             stacklevel=4,
         )
     return renamed
