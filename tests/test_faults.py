@@ -48,6 +48,35 @@ class _InfiniteGradient(torch.autograd.Function):
         return grad * float("inf")
 
 
+class _HugeGradient(torch.autograd.Function):
+    """Passes values through; its backward sends 1e36 to every element before it: gradients
+    finite, their float32 sum not."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(grad, 1e36)
+
+
+class _HugeBackward(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _HugeGradient.apply(x)
+
+
+def _huge_gradients(plan: ms.Plan) -> tuple[str, str, bool]:
+    """A step whose gradients are finite but sum past float32's range: it trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10), _HugeBackward())
+    engine = ms.parallelize(model, plan, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+    x, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    kind, message = _message(engine, x, y)
+    weight = engine.full_state_dict()["1.weight"]
+    return kind, message, bool(weight.isfinite().all()) and float(weight.abs().max()) > 1e30
+
+
 class _BadBackward(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _InfiniteGradient.apply(x)
@@ -84,6 +113,8 @@ def _cases() -> dict[str, Any]:
     results["uneven untouched"] = all(torch.equal(v, _state(engine)[k]) for k, v in before.items())
     for zero in (2, 3):  # the gradient shards FSDP2 reduced, looked at on each rank
         results[f"infinite gradients zero={zero}"] = _infinite_gradients(ms.Plan(dp=2, zero=zero))
+    for plan in (ms.Plan(dp=2), ms.Plan(dp=2, zero=3), ms.Plan(tp=2)):
+        results[f"huge gradients {plan.describe()}"] = _huge_gradients(plan)
     bad = x.clone()
     bad[3] = float("nan")
     for mode in ("raise", "skip"):
@@ -144,6 +175,19 @@ def test_non_finite_gradients_of_a_finite_loss_stop_one_process() -> None:
     (kind, message), *_ = ms.launch(_infinite_gradients, 1, args=(ms.Plan(),), timeout_s=60)
     assert kind == "NonFiniteError", message
     assert "loss finite" in message and "first non-finite gradient: 1.weight" in message
+
+
+@pytest.mark.parametrize("plan", ["dp2 pp1 tp1", "dp2 pp1 tp1 zero3", "dp1 pp1 tp2"])
+def test_finite_gradients_whose_sum_overflows_float32_train(
+    per_rank: list[dict[str, Any]], plan: str
+) -> None:
+    for results in per_rank:
+        assert results[f"huge gradients {plan}"] == ("", "", True)
+
+
+def test_finite_gradients_whose_sum_overflows_float32_train_one_process() -> None:
+    (result,) = ms.launch(_huge_gradients, 1, args=(ms.Plan(),), timeout_s=60)
+    assert result == ("", "", True)
 
 
 def test_skip_drops_the_update_on_every_rank_and_training_goes_on(

@@ -3,16 +3,18 @@ becomes the same decision on every rank, before the optimizer steps.
 
 After the gradients are synchronised, each rank checks its loss and its gradients (the
 float32 sum of each gradient bucket or shard: a NaN or infinity anywhere makes it
-non-finite, and no temporary as large as the gradients is made; a sum past float32's 3.4e38
-counts too); the all-reduce that carries the step's loss to every rank carries that flag
-too, before the optimizer steps, so the check adds no collective and no host sync of its
-own, and all ranks take the same branch: under 'raise' each raises the same `NonFiniteError` (the
-step, the ranks, and on each the first parameter whose gradient went non-finite); under
-'skip' every rank drops the update alike. The parameters are untouched either way: the
-check runs before the step. Under data parallel alone (every rank holds the same summed
-gradients) the loss, the loss flag and the batch check ride the first gradient bucket's
-all-reduce instead (`riders`, `agree_carried`): no collective of their own at all, and each
-rank looks at the whole summed gradients, which are the same everywhere.
+non-finite, and no temporary as large as the gradients is made; when a sum is not finite
+with a finite loss, each gradient is looked at element by element before the step is called
+non-finite, as a sum of finite values past 3.4e38 would be too); the all-reduce that carries
+the step's loss to every rank carries that flag too, before the optimizer steps, so the
+check adds no collective and no host sync of its own, and all ranks take the same branch:
+under 'raise' each raises the same `NonFiniteError` (the step, the ranks, and on each the
+first parameter whose gradient went non-finite); under 'skip' every rank drops the update
+alike. The parameters are untouched either way: the check runs before the step. Under data
+parallel alone (every rank holds the same summed gradients) the loss, the loss flag and the
+batch check ride the first gradient bucket's all-reduce instead (`riders`, `agree_carried`):
+no collective of their own at all, and each rank looks at the whole summed gradients, which
+are the same everywhere.
 """
 
 from __future__ import annotations
@@ -191,6 +193,10 @@ def _decide(
             "its own rows of it): give every rank the same data in the same order (one seed), "
             "not a DataLoader of its own. The update was not applied"
         )
+    if grads_flagged and not losses_flagged:
+        named = list(named)
+        if not any(_gathered(nonfinite_parameter(named) is not None, group)):
+            grads_flagged = 0  # finite gradients whose float32 sum went past 3.4e38
     if losses_flagged == 0 and grads_flagged == 0:
         return Agreed(loss=total, finite=True)
     if mode in ("skip", "off") or (overflow_skips and losses_flagged == 0):
