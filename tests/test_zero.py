@@ -170,7 +170,7 @@ def test_zero_3_refuses_a_block_it_cannot_gather_and_leaves_the_model_whole(
     assert untouched
 
 
-def _warned(in_place: bool) -> list[str]:
+def _warned(in_place: bool, plan: ms.Plan) -> list[str]:
     """The warnings of two zero=3 steps of the reference transformer, whose output is a view;
     with `in_place`, the loss scales that output in place first (and the step fails)."""
     plain = loss_for("transformer")
@@ -183,7 +183,7 @@ def _warned(in_place: bool) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = ms.parallelize(
-            build("transformer"), ms.Plan(dp=2, zero=3), optimizer=OPTIMIZERS["sgd"], loss_fn=loss
+            build("transformer"), plan, optimizer=OPTIMIZERS["sgd"], loss_fn=loss
         )
         for x, y in batches("transformer", 8, 2):
             engine.train_step(x, y)
@@ -191,13 +191,20 @@ def _warned(in_place: bool) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_a_sharded_root_returning_a_view_is_checked_where_the_loss_reads_it() -> None:
+@pytest.mark.parametrize(
+    "plan",
+    [ms.Plan(dp=2, zero=3), ms.Plan(dp=2, pp=2, zero=3, micro_batches=2)],
+    ids=["dp2", "dp2xpp2"],
+)
+def test_a_sharded_root_returning_a_view_is_checked_where_the_loss_reads_it(
+    plan: ms.Plan,
+) -> None:
     """FSDP2 warns of any view its root returns (an in-place change drops its backward hook,
     and with it every gradient of the shards); only the loss reads the root's output, so
     meshsplit checks that instead: no warning for a loss computed out of place, a clear
     error before backward for one that changes the output in place (it failed later, in the
     non-finite check, with "stack expects a non-empty TensorList")."""
-    quiet = ms.launch(_warned, 2, args=(False,))[0]
-    assert not [m for m in quiet if "view" in m or "in place" in m], quiet
+    for quiet in ms.launch(_warned, plan.world_size, args=(False, plan)):
+        assert not [m for m in quiet if "view" in m or "in place" in m], quiet
     with pytest.raises(ms.WorkerError, match="loss_fn changed the model's output in place"):
-        ms.launch(_warned, 2, args=(True,))
+        ms.launch(_warned, plan.world_size, args=(True, plan), timeout_s=60)

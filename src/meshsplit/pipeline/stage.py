@@ -9,6 +9,7 @@ Rationale: docs/internals.md#pipelinestagepy
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from meshsplit.pipeline.split_backward import (
     weight_gradients,
 )
 from meshsplit.precision import Precision
+from meshsplit.sharded_views import check_unchanged, quiet_view_warning, views_of
 
 __all__: list[str] = []
 
@@ -270,7 +272,7 @@ class Stage:
         messages = self.exchange.receive(self._sources(key))
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
-        with self.precision.autocast():
+        with self.precision.autocast(), self._quiet():
             made = self.compute(x, *flat)
         values = dict(zip(self.program.made, made, strict=True))
         sent = [[values[n] for n in names] for _, names in self.routes.sends]
@@ -291,8 +293,11 @@ class Stage:
             return
         flight = _InFlight(received=received, buffers=buffers, sent=sent, sending=sending)
         if self.last and loss_of is not None:
+            output = values[self.model_output]
+            views = views_of(output) if self._sharded() else []
             with self.precision.autocast():
-                flight.loss = loss_of(values[self.model_output], y)
+                flight.loss = loss_of(output, y)
+            check_unchanged(views)
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
         step.in_flight[(self.index, micro)] = flight
 
@@ -301,6 +306,12 @@ class Stage:
         if self._fsdp is None:
             self._fsdp = any(isinstance(m, FSDPModule) for m in self.module.modules())
         return self._fsdp
+
+    def _quiet(self) -> AbstractContextManager[None]:
+        """FSDP2's view warning silenced where ZeRO 2/3 shards this chunk: what its units
+        return is read by the next layer, sent (a copy), or read by the loss, which
+        `check_unchanged` watches instead."""
+        return quiet_view_warning() if self._sharded() else nullcontext()
 
     def _owned(self, value: Any) -> Any:
         """A value of its own: a copy if it lives in a pool buffer that will be reused."""

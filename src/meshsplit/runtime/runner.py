@@ -8,7 +8,6 @@ Batches are pytrees (see `batch.py`).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -19,12 +18,9 @@ from torch.distributed.fsdp import FSDPModule
 from meshsplit.batch import LossFn, call_model, loss_weight, rows, split_rows, tensors
 from meshsplit.phases import phase
 from meshsplit.precision import Precision
+from meshsplit.sharded_views import check_unchanged, quiet_view_warning, views_of
 
 __all__: list[str] = []
-
-
-_ROOT_VIEW = r"FSDP2-wrapped module \(.*\) returned a view tensor"
-"""FSDP2's warning when a sharded module returns a view (torch 2.13; older ones say nothing)."""
 
 
 class Runner(Protocol):
@@ -121,21 +117,11 @@ class LocalRunner:
         PyTorch: no name holds it (and its size) over backward."""
         if not isinstance(self.module, FSDPModule):
             return self.loss_fn(call_model(self.module, x), y)
-        with warnings.catch_warnings():
-            # FSDP2 warns that a view the sharded root returns loses its backward hook to an
-            # in-place change; only the loss reads the output here, so that is checked instead
-            warnings.filterwarnings("ignore", message=_ROOT_VIEW, category=UserWarning)
+        with quiet_view_warning():  # only the loss reads the output: checked instead
             output = call_model(self.module, x)
-        views = [(t, t._version) for t in tensors(output) if t._is_view()]
+        views = views_of(output)
         loss = self.loss_fn(output, y)
-        if any(t._version != version for t, version in views):
-            # backward would run without FSDP2's hooks: no gradient reaches the shards
-            raise RuntimeError(
-                "loss_fn changed the model's output in place; under Plan.zero=2/3 that "
-                "output is a view carrying the hook that gathers and reduces the sharded "
-                "parameters' gradients, and the change drops it: compute the loss out of "
-                "place (out = out * t, not out *= t)"
-            )
+        check_unchanged(views)
         return loss
 
     def forward(self, inputs: Any) -> Any:
