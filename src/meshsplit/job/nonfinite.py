@@ -50,8 +50,9 @@ def nonfinite_parameter(named: Iterable[tuple[str, nn.Parameter]]) -> str | None
 class Agreed:
     """What every rank of a step agreed on, in one all-reduce."""
 
-    loss: float
-    """The global batch's mean loss."""
+    loss: float | torch.Tensor
+    """The global batch's mean loss: a float, or a 0-dim tensor where it was not read on
+    the host (`on_host=False` with nothing else to decide)."""
     finite: bool
     """Whether every rank's loss and gradients were finite (always True under 'off'
     without a loss scale)."""
@@ -88,10 +89,14 @@ def agree_carried(
     where: str,
     group: dist.ProcessGroup,
     overflow_skips: bool = False,
+    on_host: bool = True,
 ) -> Agreed:
     """`agree` for ranks that all hold the same summed gradients (data parallel alone), its
     numbers already summed as `carried` riders: the gradients are looked at here, whole,
-    and every rank sees the same; one host sync, for the loss."""
+    and every rank sees the same; one host sync, for the loss (none without `on_host` when
+    there is nothing to decide)."""
+    if _undecided(on_host, mode, overflow_skips):
+        return Agreed(loss=carried[0].to(torch.float64), finite=True)
     bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     values = torch.cat([carried.to(torch.float64), bad_grads.reshape(1)]).tolist()
     total, losses_flagged, grads_flagged = values[0], values[1], values[-1]
@@ -117,6 +122,7 @@ def agree(
     where: str,
     group: dist.ProcessGroup | None,
     overflow_skips: bool = False,
+    on_host: bool = True,
 ) -> Agreed:
     """The step's mean loss, whether it is finite everywhere, and that every rank of `group`
     (the mesh's processes; None: this rank alone) had the same global batch: one all-reduce
@@ -130,9 +136,14 @@ def agree(
     mode. Otherwise, on a non-finite step, 'raise' raises NonFiniteError on every rank;
     ranks fed different batches (a DataLoader per rank) raise InputError before the update.
     'off' looks at neither (the memory estimate replays steps on collectives that do not
-    sum)."""
-    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
+    sum). Without `on_host`, under 'off' and with no loss scale (nothing to decide), the
+    loss is all-reduced alone and returned as a tensor: no host sync at all."""
     mine = loss.detach().to(torch.float64) * loss_scale
+    if _undecided(on_host, mode, overflow_skips):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(mine, group=group)
+        return Agreed(loss=mine, finite=True)
+    bad_loss, bad_grads = _local_flags(loss, gradient_sums, mode, overflow_skips)
     packet = torch.stack(
         [mine, bad_loss, bad_grads, mine.new_tensor(rows), mine.new_tensor(rows * rows)]
     )
@@ -145,6 +156,11 @@ def agree(
         loss_flag=bad_loss, grads_flag=bad_grads, rows=rows, mode=mode, step=step,
         where=where, group=group, named=named, overflow_skips=overflow_skips, loss=loss,
     )  # fmt: skip
+
+
+def _undecided(on_host: bool, mode: str, overflow_skips: bool) -> bool:
+    """Whether the step has nothing to decide on the host: the loss may stay a tensor."""
+    return not on_host and mode == "off" and not overflow_skips
 
 
 def _local_flags(

@@ -74,17 +74,19 @@ def finish(
     where: str,
     group: dist.ProcessGroup | None,
     overflow_skips: bool,
+    on_host: bool = True,
 ) -> Agreed:
-    """After the gradient sync: what every rank agrees on (or the error every rank raises)."""
+    """After the gradient sync: what every rank agrees on (or the error every rank raises);
+    the loss left a tensor where `on_host` is off and nothing is to be decided."""
     named = runner.module.named_parameters()
     carrying = _riding(sync)
     if carrying is not None:
         return agree_carried(
             carrying.carried(), loss, sync.gradient_sums, named, rows=rows,
             mode=plan.nonfinite, step=step, where=where, group=carrying.group,
-            overflow_skips=overflow_skips,
+            overflow_skips=overflow_skips, on_host=on_host,
         )  # fmt: skip
     return agree(
         loss, sync.gradient_sums, named, loss_scale=share, rows=rows, mode=plan.nonfinite,
-        step=step, where=where, group=group, overflow_skips=overflow_skips,
+        step=step, where=where, group=group, overflow_skips=overflow_skips, on_host=on_host,
     )  # fmt: skip

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -169,13 +169,22 @@ class Engine:
         """This dp replica's contiguous slice of a global batch (a tensor or a pytree)."""
         return to_device(split_rows(batch, self.plan.dp)[self.mesh.rank("dp")], self.mesh.device)
 
-    def train_step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step on the global batch; its mean loss, the same on every rank."""
+    @overload
+    def train_step(
+        self, inputs: Any, targets: Any, *, as_tensor: Literal[False] = ...
+    ) -> float: ...
+    @overload
+    def train_step(
+        self, inputs: Any, targets: Any, *, as_tensor: Literal[True]
+    ) -> torch.Tensor: ...
+    def train_step(self, inputs: Any, targets: Any, *, as_tensor: bool = False) -> Any:
+        """One optimizer step on the global batch; its mean loss, the same on every rank: a
+        float (one host sync a step), or with `as_tensor` a 0-dim float64 tensor on the mesh's
+        device, which under Plan(nonfinite="off") without fp16's loss scale never waits for
+        the device (the check and the scale decide on the host: with either, the sync stays)."""
         if self._closed:
-            raise RuntimeError(
-                "engine is closed: it gave back its buffers and optimizer "
-                "state; build a new one with ms.parallelize to train again"
-            )
+            message = "engine is closed: it gave back its buffers and optimizer state"
+            raise RuntimeError(f"{message}; build a new one with ms.parallelize to train again")
         global_rows = rows(inputs)
         self.plan.check_batch(global_rows)
         if rows(targets) != global_rows:
@@ -212,7 +221,7 @@ class Engine:
             agreed = agreement.finish(
                 parts.sync, parts.runner, loss, share=share, rows=global_rows, plan=self.plan,
                 step=self.steps + 1, where=self._guard.where, group=self.peers,
-                overflow_skips=scaled,
+                overflow_skips=scaled, on_host=not as_tensor,
             )  # fmt: skip
             if agreed.finite:
                 if scaled:  # fp16: the list itself costs a walk over the parameters
@@ -227,7 +236,9 @@ class Engine:
             self.precision.stepped(agreed.finite)
             parts.sync.zero_grad()
         self.steps += 1
-        return agreed.loss
+        if not as_tensor:
+            return agreed.loss
+        return torch.as_tensor(agreed.loss, dtype=torch.float64, device=self.mesh.device)
 
     @torch.no_grad()
     def predict(self, inputs: Any) -> Any:
