@@ -3,7 +3,9 @@
 On one GPU: a GPT-2-small-shaped decoder (12 x 768, vocab 50257, batch 16 x 1024, AdamW) in
 plain PyTorch and under meshsplit Plan() in the same process, in fp32 and bf16 (autocast in
 plain PyTorch; Plan(precision='bf16-mixed')): step time, TFLOP/s, the
-fraction of the GPU's bf16 peak, peak memory; the memory estimate beside max_memory_allocated;
+fraction of the GPU's bf16 peak, peak memory; the bf16 step again without its one host read
+(plain PyTorch without loss.item(); train_step(as_tensor=True) with nonfinite='off'); the
+memory estimate beside max_memory_allocated;
 the GPU-only tests (pytest -m gpu). With two GPUs or more: dp2, pp2 and tp2 on NCCL against one
 GPU. Prints a table and writes JSON. On a machine without a GPU it says so and exits 0.
 Run: PYTHONPATH=src python benchmarks/gpu_check.py [--out gpu_check.json] [--steps N]
@@ -64,7 +66,7 @@ def _timed(step: Any, steps: int) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def _plain(precision: str, steps: int) -> dict[str, float]:
+def _plain(precision: str, steps: int, read_loss: bool = True) -> dict[str, float]:
     device = torch.device("cuda", 0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -82,14 +84,17 @@ def _plain(precision: str, steps: int) -> dict[str, float]:
             loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
-        loss.item()  # the float train_step returns
+        if read_loss:
+            loss.item()  # the float train_step returns
 
     seconds = _timed(step, steps)
     return {"step_s": seconds, "peak_bytes": torch.cuda.max_memory_allocated(device)}
 
 
-def _meshsplit(precision: str, steps: int) -> dict[str, float]:
-    plan = ms.Plan(precision="bf16-mixed") if precision == "bf16" else ms.Plan()
+def _meshsplit(precision: str, steps: int, as_tensor: bool = False) -> dict[str, float]:
+    """`as_tensor`: the loss left on the device, the non-finite check off (no host read)."""
+    checks = {"nonfinite": "off"} if as_tensor else {}
+    plan = ms.Plan(precision="bf16-mixed" if precision == "bf16" else "fp32", **checks)
     device = torch.device("cuda", 0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -98,7 +103,7 @@ def _meshsplit(precision: str, steps: int) -> dict[str, float]:
         ms.models.transformer(**GPT2), plan, optimizer=_adamw, loss_fn=ms.models.TokenCrossEntropy()
     )
     x, y = _batch(BATCH, device)
-    seconds = _timed(lambda: engine.train_step(x, y), steps)
+    seconds = _timed(lambda: engine.train_step(x, y, as_tensor=as_tensor), steps)
     peak = torch.cuda.max_memory_allocated(device)
     engine.close()
     return {"step_s": seconds, "peak_bytes": peak}
@@ -111,6 +116,9 @@ def _one_gpu(steps: int) -> dict[str, Any]:
     for precision in ("fp32", "bf16"):
         results[f"plain {precision}"] = _plain(precision, steps)
         results[f"meshsplit {precision}"] = _meshsplit(precision, steps)
+    # the step without its one host read: a plain loop that never calls loss.item()
+    results["plain bf16 no read"] = _plain("bf16", steps, read_loss=False)
+    results["meshsplit bf16 tensor"] = _meshsplit("bf16", steps, as_tensor=True)
     rows = 2  # the estimate replays a step: a smaller batch keeps it quick
     x, y = _batch(rows, torch.device("cpu"))
     estimate = ms.estimate_memory(
@@ -194,13 +202,14 @@ def main() -> None:
     print(
         f"{name}, torch {torch.__version__}; GPT-2-small shape, batch {BATCH} x {GPT2['seq_len']}"
     )
-    print(f"{'run':<16}{'s/step':>9}{'TFLOP/s':>9}{'of bf16 peak':>14}{'peak GiB':>10}")
-    for run in ("plain fp32", "meshsplit fp32", "plain bf16", "meshsplit bf16"):
+    print(f"{'run':<22}{'s/step':>9}{'TFLOP/s':>9}{'of bf16 peak':>14}{'peak GiB':>10}")
+    runs = ("plain fp32", "meshsplit fp32", "plain bf16", "meshsplit bf16")
+    for run in (*runs, "plain bf16 no read", "meshsplit bf16 tensor"):
         row = report[run]
         achieved = flops / row["step_s"]
         fraction = f"{achieved / peak:.1%}" if peak else "?"
         print(
-            f"{run:<16}{row['step_s']:>9.3f}{achieved / 1e12:>9.1f}{fraction:>14}"
+            f"{run:<22}{row['step_s']:>9.3f}{achieved / 1e12:>9.1f}{fraction:>14}"
             f"{row['peak_bytes'] / 2**30:>10.2f}"
         )
     estimate = report["estimate"]
