@@ -492,7 +492,7 @@ def test_layers_kept_whole_say_why() -> None:
     """Grouped convolutions, and expert weights without an example to prove their split on,
     stay whole, and the decision says so (test_experts_tp.py splits them with one)."""
     for name, example, layer, reason in (
-        ("mixtral", None, "mlp.experts", "3-D weights (one matrix per expert)"),
+        ("mixtral", None, "mlp.experts", "holds a 3-D weight (4, "),
         ("convnext", torch.randn(4, 3, 32, 32), "dwconv", "groups="),
     ):
         torch.manual_seed(0)

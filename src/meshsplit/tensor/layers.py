@@ -175,6 +175,15 @@ class ColumnParallelLinear(ParallelLayer):
             parts=parts,
         )
 
+    @property
+    def in_features(self) -> int:
+        """nn.Linear's, of the whole layer: a model may read it (to shape its output)."""
+        return int(self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0]) * self.tp
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
             x = enter_copy(self, x)
@@ -221,6 +230,15 @@ class RowParallelLinear(ParallelLayer):
         weight = shard_param(linear.weight, 1, group, layer=linear, what="in_features")
         bias = copy_param(linear.bias)
         return cls(weight=weight, bias=bias, group=group, scatter_input=scatter_input)
+
+    @property
+    def in_features(self) -> int:
+        """nn.Linear's, of the whole layer: a model may read it (to shape its output)."""
+        return int(self.weight.shape[1]) * self.tp
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scatter_input:
@@ -274,6 +292,15 @@ class VocabParallelEmbedding(ParallelLayer):
         weight = shard_param(embedding.weight, 0, group, layer=embedding, what="num_embeddings")
         scale = embedding_scale(embedding, embedding.weight.dtype)
         return cls(weight=weight, group=group, padding_idx=embedding.padding_idx, scale=scale)
+
+    @property
+    def num_embeddings(self) -> int:
+        """nn.Embedding's, of the whole table: a model may read it (Whisper's positions)."""
+        return int(self.weight.shape[0]) * self.tp
+
+    @property
+    def embedding_dim(self) -> int:
+        return int(self.weight.shape[1])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

@@ -34,6 +34,7 @@ from meshsplit.tensor.layers import (
     VocabParallelEmbedding,
     tp_group,
 )
+from meshsplit.tensor.reads import outside_reads
 from meshsplit.tensor.twins import twin_pairs
 from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
 
@@ -127,6 +128,16 @@ def _pair(
     row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
 
 
+def _whole_where_read_outside(model: nn.Module, example: Any, units: list[Unit]) -> None:
+    """Keep whole every undecided layer whose weight an op reads while no module holding it
+    runs (nn.MultiheadAttention's out_proj, a position table added as `pos.weight[:T]`): a
+    shard read as the whole tensor fails or trains on wrong rows."""
+    free = {unit.name: unit.module for unit in units if not unit.split}
+    for name in outside_reads(model, example, free):
+        why = "its weight is read outside its own forward, as a whole tensor: kept whole"
+        set_split(next(unit for unit in units if unit.name == name), "replicate", why)
+
+
 def _data_flow(
     model: nn.Module, example: Any, units: list[Unit], tp: int, realize: Realize
 ) -> set[str]:
@@ -205,6 +216,7 @@ def plan_splits(
     if tp > 1:
         _model_plan(model, by_name, tp)
         if example is not None:
+            _whole_where_read_outside(model, example, units)
             called = _data_flow(model, example, units, tp, realize)
             summed = _summed_inside_pairs(model, example, units, others)
             mended = {row for row, _ in summed.values()}

@@ -218,10 +218,12 @@ def _kept_whole(module: nn.Module) -> str:
             f"Conv2d with groups={module.groups}, padding_mode={module.padding_mode!r} kept "
             "whole: only plain convolutions split by channels"
         )
-    if any(p.dim() == 3 for p in module.parameters(recurse=False)):
+    shapes = [tuple(p.shape) for p in module.parameters(recurse=False) if p.dim() == 3]
+    if shapes:
         return (
-            f"{type(module).__name__} holds 3-D weights (one matrix per expert): kept whole on "
-            "every tp rank unless an example input proves a split of each expert's inner width"
+            f"{type(module).__name__} holds a 3-D weight {shapes[0]}: kept whole on every tp "
+            "rank (experts with one matrix each split when an example proves a split of each "
+            "expert's inner width)"
         )
     return "norm or other layer kept whole"
 
