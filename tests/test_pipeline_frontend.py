@@ -184,3 +184,63 @@ def test_a_header_carries_complex_tensors_and_names_a_dtype_it_cannot() -> None:
     assert decode(encode(metas)) == metas  # Llama 4's rotary frequencies cross stages
     with pytest.raises(TypeError, match=r"float8_e4m3fn crosses a pipeline stage boundary"):
         encode([TensorMeta((2,), torch.float8_e4m3fn, False)])
+
+
+class Patches(nn.Module):
+    """Returns the patches and the grid's height, as PVT's patch embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.proj(x), x.shape[1] // 2
+
+
+class GridModel(nn.Module):
+    """A height (an int) made by the first child and read two children later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = Patches()
+        self.mix = nn.Linear(16, 16)
+        self.fold = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, height = self.patches(x)
+        h = torch.tanh(self.mix(h))
+        h = self.fold(h).reshape(h.shape[0], height, -1)
+        return self.head(h.mean(1).reshape(h.shape[0], -1, 16).mean(1))
+
+
+def _grid_losses(plan: ms.Plan | None) -> list[float]:
+    torch.manual_seed(0)
+    model = GridModel()
+    x, y = torch.randn(8, 6, 4), torch.randint(0, 3, (8,))
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    if plan is None:
+        optimizer, losses = sgd(model.parameters()), []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+    engine = ms.parallelize(model, plan, optimizer=sgd, loss_fn=nn.CrossEntropyLoss())
+    return [engine.train_step(x, y) for _ in range(3)]
+
+
+def test_a_value_that_is_no_tensor_keeps_its_maker_and_readers_in_one_layer() -> None:
+    """PVT's patch embeddings hand their grid's height (an int) to the reshape after the
+    block: the layers from the one making it to the last reading it become one, and the
+    model still splits where tensors alone cross (it was refused whole)."""
+    from meshsplit.pipeline.cuts import find_cuts
+
+    x = torch.randn(4, 6, 4)
+    cuts = find_cuts(GridModel(), x, ms.Plan(pp=2, micro_batches=1), lambda costs: costs)
+    assert cuts.names == ("patches", "head") and sum(cuts.sizes) == 2
+    per_rank = ms.launch(_grid_losses, 2, args=(ms.Plan(pp=2, micro_batches=2),))
+    for losses in per_rank:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_grid_losses(None)))

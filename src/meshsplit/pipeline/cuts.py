@@ -26,7 +26,7 @@ from meshsplit.pipeline.blocks import (
 )
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.partition import balance, check_split, split_words
-from meshsplit.pipeline.profile import LayerCost, profile_layers
+from meshsplit.pipeline.profile import LayerCost, NotATensor, profile_layers
 from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
 from meshsplit.pipeline.stage import LayerProgram, Program, Routes, plan_routes
@@ -179,19 +179,26 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
             if plan.split_points is not None:
                 raise
             blocks_error = error
-    try:
-        graph = layer_graph(model, example)
-    except PlanError as error:
-        if blocks_error is not None:
-            raise PlanError(f"{blocks_error}; and tracing it failed: {error}") from error
-        raise
-    if blocks_error is not None and len(graph.layers) < _chunks(plan):
-        label, _ = split_words(_chunks(plan), plan.virtual_stages)
-        raise PlanError(
-            f"{label} exceeds the {len(graph.layers)} layers at the top level of "
-            f"{type(model).__name__}, and cutting inside it failed: {blocks_error}"
-        )
-    return _from_graph(model, graph, example, plan, agree)
+    inside: frozenset[str] = frozenset()  # values that are no tensor: kept in one layer
+    while True:
+        try:
+            graph = layer_graph(model, example, inside)
+        except PlanError as error:
+            if blocks_error is not None:
+                raise PlanError(f"{blocks_error}; and tracing it failed: {error}") from error
+            raise
+        if blocks_error is not None and len(graph.layers) < _chunks(plan):
+            label, _ = split_words(_chunks(plan), plan.virtual_stages)
+            raise PlanError(
+                f"{label} exceeds the {len(graph.layers)} layers at the top level of "
+                f"{type(model).__name__}, and cutting inside it failed: {blocks_error}"
+            )
+        try:
+            return _from_graph(model, graph, example, plan, agree)
+        except NotATensor as crossing:  # the same on every rank: all trace again
+            if graph.source == "sequential" or crossing.value in inside:
+                raise
+            inside |= {crossing.value}
 
 
 def _chunks(plan: Plan) -> int:

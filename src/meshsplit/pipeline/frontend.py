@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from meshsplit.batchnorm import BatchNorm
-from meshsplit.pipeline.grouping import copied, groups, is_marker, split_point, units
+from meshsplit.pipeline.grouping import copied, groups, is_marker, joined, split_point, units
 from meshsplit.plan import PlanError
 
 __all__: list[str] = []
@@ -58,24 +58,29 @@ class LayerGraph:
     """How the layers were found: 'sequential', 'fx' or 'export'."""
 
 
-def layer_graph(model: nn.Module, example: torch.Tensor | None = None) -> LayerGraph:
-    """Turn `model` into a LayerGraph; PlanError naming the construct when none can be made."""
+def layer_graph(
+    model: nn.Module, example: torch.Tensor | None = None, inside: frozenset[str] = frozenset()
+) -> LayerGraph:
+    """Turn `model` into a LayerGraph; PlanError naming the construct when none can be made.
+    Values named in `inside` (a traced graph's) stay within one layer: the layers from the
+    one making each to the last reading it become one."""
     if isinstance(model, nn.Sequential):
         return _from_sequential(model)
     try:
         traced, opaque = _trace_fx(model)
     except _RootUntraceable as failure:
-        return _from_export(model, example, failure.reason)
+        return _from_export(model, example, failure.reason, inside)
     owners = units(model)
     hiding = [name for name in opaque if any(o.startswith(f"{name}.") for o in owners)]
     if hiding and example is not None:
         # an opaque container would be one layer holding all its blocks: export may see inside
         try:
-            return _from_export(model, example, f"fx could not trace into {', '.join(hiding)}")
+            why = f"fx could not trace into {', '.join(hiding)}"
+            return _from_export(model, example, why, inside)
         except PlanError:
             pass  # then the container stays one layer
     source = "fx" if not opaque else f"fx (opaque: {', '.join(opaque)})"
-    return _from_graph(traced, owners, source=source)
+    return _from_graph(traced, owners, source=source, inside=inside)
 
 
 def _from_sequential(model: nn.Sequential) -> LayerGraph:
@@ -153,7 +158,9 @@ def _trace_fx(model: nn.Module) -> tuple[fx.GraphModule, list[str]]:
     raise _RootUntraceable(f"more than {_MAX_OPAQUE_RETRIES} submodules failed to trace")
 
 
-def _from_export(model: nn.Module, example: torch.Tensor | None, fx_reason: str) -> LayerGraph:
+def _from_export(
+    model: nn.Module, example: torch.Tensor | None, fx_reason: str, inside: frozenset[str]
+) -> LayerGraph:
     """Fall back to torch.export's graph (needs the example micro-batch)."""
     fix = (
         "make the model an nn.Sequential whose children are the pieces between the split "
@@ -176,10 +183,12 @@ def _from_export(model: nn.Module, example: torch.Tensor | None, fx_reason: str)
     module = exported.module()
     if not isinstance(module, fx.GraphModule):
         raise PlanError(f"torch.export returned {type(module).__name__}, not a graph; {fix}")
-    return _from_graph(module, units(model), source="export")
+    return _from_graph(module, units(model), source="export", inside=inside)
 
 
-def _from_graph(traced: fx.GraphModule, owners: set[str], *, source: str) -> LayerGraph:
+def _from_graph(
+    traced: fx.GraphModule, owners: set[str], *, source: str, inside: frozenset[str]
+) -> LayerGraph:
     """Cut a traced graph into layers (one per run of `owners`' nodes), each a GraphModule
     over the original submodules."""
     graph = traced.graph
@@ -205,7 +214,7 @@ def _from_graph(traced: fx.GraphModule, owners: set[str], *, source: str) -> Lay
             node = alias[node]
         return node
 
-    runs = groups(graph, owners)
+    runs = joined(groups(graph, owners), inside, graph)
     final = resolve(result)
     readers: dict[fx.Node, set[int]] = {}
     for index, (_, nodes) in enumerate(runs):

@@ -95,6 +95,35 @@ def groups(graph: fx.Graph, owners: set[str]) -> list[tuple[str, list[fx.Node]]]
     return _unique_names([(name, nodes) for name, nodes in closed if nodes])
 
 
+def joined(
+    runs: list[tuple[str, list[fx.Node]]], inside: frozenset[str], graph: fx.Graph
+) -> list[tuple[str, list[fx.Node]]]:
+    """`runs` with the runs from the one making each value named in `inside` to the last one
+    reading it made one (named after the first): such a value (an int a layer returns) cannot
+    cross a stage boundary, so no boundary may fall between them."""
+    if not inside:
+        return runs
+    made = {n.name: i for i, (_, nodes) in enumerate(runs) for n in nodes if not copied(n)}
+    last = list(range(len(runs)))  # the last run each run must be joined up to
+    for index, (_, nodes) in enumerate(runs):
+        for node in nodes:
+            for source in node.all_input_nodes:
+                start = made.get(source.name)
+                if source.name in inside and start is not None and start < index:
+                    last[start] = max(last[start], index)
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    merged: list[tuple[str, list[fx.Node]]] = []
+    end = -1
+    for index, (name, nodes) in enumerate(runs):
+        if index <= end:  # within the span of the run being joined
+            members = set(merged[-1][1]) | set(nodes)
+            merged[-1] = (merged[-1][0], sorted(members, key=position.__getitem__))
+        else:
+            merged.append((name, list(nodes)))
+        end = max(end, last[index])
+    return merged
+
+
 def _owner(node: fx.Node, owners: set[str]) -> str | None:
     """The unit a node runs in, or None for code outside every unit.
 

@@ -104,15 +104,25 @@ def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, 
     return middle - started, time.perf_counter() - middle, outputs
 
 
+class NotATensor(PlanError):
+    """A layer hands a later layer a value that is not a tensor (an int, a tuple): no stage
+    boundary may fall between them; `value` names it."""
+
+    def __init__(self, message: str, value: str) -> None:
+        super().__init__(message)
+        self.value = value
+
+
 def _checked(layer: Layer, outputs: tuple[Any, ...]) -> dict[str, torch.Tensor]:
     """The layer's outputs by name, refusing values that cannot cross a stage boundary."""
     named = {}
     for name, value in zip(layer.outputs, outputs, strict=True):
         if not isinstance(value, torch.Tensor):
-            raise PlanError(
+            raise NotATensor(
                 f"layer {layer.name!r} passes {name!r} of type {type(value).__name__} to a later "
                 "layer; only tensors can cross a stage boundary; mark split points by hand "
-                "(an nn.Sequential of pieces) so that value stays inside one piece"
+                "(an nn.Sequential of pieces) so that value stays inside one piece",
+                name,
             )
         named[name] = value.detach()
     return named
