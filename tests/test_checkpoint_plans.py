@@ -164,6 +164,14 @@ def test_checkpoints_load_under_every_plan(tmp_path: Path) -> None:
     for world, names in groups.items():
         ms.launch(_save_all, world, args=(names, root), timeout_s=300)
     losses, states = _reference()
+    # the fused qkv goes as its three parts, each rank writing its own block of each: no
+    # rank gathers the fused tensor (or its momentum) whole to save it
+    folder = Path(root, "pp2xtp2", "after")
+    metadata = FileSystemReader(folder / (folder / "latest").read_text()).read_metadata()
+    fused = {k: v for k, v in metadata.state_dict_metadata.items() if ".qkv.weight" in k}
+    assert fused and all("#part" in key for key in fused), sorted(fused)
+    assert {len(item.chunks) for item in fused.values()} == {2}, sorted(fused)
+    assert len(fused) == 4 * 2 * 3  # 4 blocks x (weight, momentum) x 3 parts
     for saved in PLANS:
         whole = ms.load_full_state_dict(Path(root, saved, "after"))
         for key, value in states[0].items():

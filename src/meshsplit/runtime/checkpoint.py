@@ -30,7 +30,7 @@ from meshsplit.memory import pools
 from meshsplit.mesh import Mesh, local_tensor
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import Precision
-from meshsplit.runtime import optimizer_keys, optimizer_settings
+from meshsplit.runtime import fused_parts, optimizer_keys, optimizer_settings
 
 __all__ = ["CheckpointError", "load_full_state_dict"]
 
@@ -116,6 +116,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     metadata = _metadata(path)
     _ensure_optimizer_state(training)
     state = _state(training)
+    saved = metadata.state_dict_metadata
+    as_parts = fused_parts.ask_as_saved(state, saved, training.mesh.device)
     rng_key = f"rng/rank{dist.get_rank()}"
     renamed = optimizer_keys.match_saved(
         state, metadata.state_dict_metadata, training.runner.local_state_dict()
@@ -130,14 +132,20 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     dcp.load(state, storage_reader=FileSystemReader(path))
     for saved_key, key in renamed.items():
         state[key] = state.pop(saved_key)
+    for key, (dim, count, _) in as_parts.items():
+        pieces = [state.pop(name) for name in fused_parts.keys(key, dim, count)]
+        state[key] = fused_parts.assembled(pieces, dim)
     layouts, experts = _layouts(training), _expert_keys(training)
     with torch.no_grad():
         for key, live in _live_tensors(training):
             loaded = state.get(key)
             if not isinstance(loaded, torch.Tensor) or _same_memory(loaded, live):  # read in place
                 continue
-            # what `_placed` made whole over tp: a fused tensor, an expert split over ep too
-            whole = key in layouts and (key in experts or not isinstance(loaded, DTensor))
+            # read whole: a fused tensor saved whole or split otherwise, an expert split over
+            # ep too (`_placed` made it whole over tp)
+            blocks = key in as_parts and as_parts[key][2]  # this rank's blocks of each part
+            split_here = key in experts or not isinstance(loaded, DTensor)
+            whole = key in layouts and not blocks and split_here
             value = local_tensor(loaded)
             if whole:
                 dim, parts = layouts[key]
@@ -193,7 +201,7 @@ def load_full_state_dict(directory: str | os.PathLike[str]) -> dict[str, torch.T
             dcp.load(state, storage_reader=FileSystemReader(path), no_dist=True)
     except Exception as error:
         raise CheckpointError(f"cannot read the checkpoint {path}: {error}") from error
-    return {key.removeprefix("model/"): value for key, value in state.items()}
+    return {key.removeprefix("model/"): value for key, value in fused_parts.joined(state).items()}
 
 
 def _fresh_name(root: Path, steps: int) -> str:
@@ -254,8 +262,8 @@ def _placed(
     tensor: torch.Tensor, layout: tuple[int, int] | None, training: Training, *, expert: bool
 ) -> Any:
     """A tp shard as DCP should see it: a DTensor over tp (contiguous blocks), over dp x tp
-    where ZeRO 2/3 shards it again, the whole tensor gathered (a fused tensor's blocks are not
-    contiguous; an expert's, which `_state` shards over ep instead), or the tensor itself."""
+    where ZeRO 2/3 shards it again, an expert gathered whole over tp (`_state` shards it over
+    ep instead), or the tensor itself. (A fused tensor goes as its parts: `_state`.)"""
     if layout is None:
         return tensor
     dim, parts = layout
@@ -323,10 +331,16 @@ def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _state(training: Training) -> dict[str, Any]:
     layouts, expert_keys = _layouts(training), _expert_keys(training)
-    state: dict[str, Any] = {
-        key: _placed(tensor, layouts.get(key), training, expert=key in expert_keys)
-        for key, tensor in _live_tensors(training)
-    }
+    state: dict[str, Any] = {}
+    for key, tensor in _live_tensors(training):
+        layout = layouts.get(key)
+        if layout is not None and layout[1] > 1 and key not in expert_keys:
+            # a fused tensor as its parts; under ZeRO 2/3 its tp shard gathered over dp only
+            shard = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            tp_mesh = training.mesh.device_mesh["tp"]
+            state.update(fused_parts.as_parts(key, shard, *layout, tp_mesh))
+        else:
+            state[key] = _placed(tensor, layout, training, expert=key in expert_keys)
     if expert_keys:  # experts as DTensors sharded along dim 0 over ep: any ep reads them back
         group = training.expert_group
         assert group is not None
