@@ -120,6 +120,27 @@ def test_layers_read_outside_their_forward_or_never_called_stay_whole() -> None:
     assert sizes["pos"].split == "vocab"  # called: split, and answers num_embeddings whole
 
 
+class AsksShapes(nn.Module):
+    """Takes dtype and shape from weights (not a read of their values); reads `c` whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.a.weight.dtype).type_as(self.a.weight) + torch.zeros_like(self.b.weight)[0]
+        y = self.a(x) + self.b(x)
+        return y @ self.c.weight.to(y.dtype)
+
+
+def test_asking_a_weight_its_dtype_or_shape_is_no_read_of_it() -> None:
+    from meshsplit.tensor.reads import outside_reads
+
+    model = AsksShapes()
+    layers = {"a": model.a, "b": model.b, "c": model.c}
+    assert outside_reads(model, torch.randn(2, 4), layers) == {"c"}
+
+
 def _train(names: list[str]) -> dict[str, Any]:
     results = {}
     for name in names:

@@ -27,6 +27,15 @@ _METADATA = frozenset(
 """Reads of a tensor's shape or kind, not its values: a model may ask them of any weight
 (`x.to(self.fc.weight.dtype)`)."""
 
+_TEMPLATES = frozenset(
+    {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+     "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+)  # fmt: skip
+"""Ops that take a tensor's shape, dtype and device only, whichever argument it is."""
+
+_CONVERSIONS = frozenset({"to", "type_as"})
+"""Ops that read the values of their first argument only (`x.to(w)` takes w's dtype)."""
+
 
 def outside_reads(model: nn.Module, example: Any, layers: Mapping[str, nn.Module]) -> set[str]:
     """One forward of `example` (no grad, eval mode): the names of `layers` whose parameter
@@ -94,7 +103,9 @@ class _Reads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in _METADATA and not name.endswith("__get__"):
+        if name in _CONVERSIONS:
+            self.seen(args[:1])
+        elif name not in _METADATA | _TEMPLATES and not name.endswith("__get__"):
             self.seen([*_flat(args), *_flat(kwargs.values())])
         return func(*args, **kwargs)
 
