@@ -3,10 +3,10 @@
 nn.MultiheadAttention hands `out_proj.weight` to a function without calling `out_proj`; a
 model may add `pos.weight[:T]` to its input (silently wrong when that table was split by
 vocabulary rows: rank 1 read rows 32-39 as positions 0-7); DeBERTa-v2 reads its relative
-position table whole. Split layers also answer `num_embeddings`, `in_features` and
-`out_features` for the whole layer, as model code reads them. Decisions are checked in one
-process, training against one process in one launch of 2 workers (SGD, 3 steps), with what
-each rank holds: the other layers still split.
+position table whole. Split layers also answer `num_embeddings`, `in_features`,
+`out_features` and a convolution's channel counts for the whole layer, as model code reads
+them. Decisions are checked in one process, training against one process in one launch of 2
+workers (SGD, 3 steps), with what each rank holds: the other layers still split.
 """
 
 from __future__ import annotations
@@ -54,6 +54,21 @@ class ReadsSizes(nn.Module):
         return self.head(h.reshape(-1, x.shape[1], self.mid.out_features).mean(1))
 
 
+class ReadsChannels(nn.Module):
+    """A convolution pair whose channel counts the forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(torch.relu(self.conv1(x)))
+        assert self.conv1.out_channels == self.conv2.in_channels == 16
+        return self.head(h.reshape(h.shape[0], self.conv2.out_channels, -1).mean(2))
+
+
 class TorchEncoder(nn.Module):
     """torch's own TransformerEncoderLayer: its attention is an nn.MultiheadAttention."""
 
@@ -80,10 +95,17 @@ def _deberta() -> nn.Module:
     return Wrap(transformers.DebertaV2ForSequenceClassification(config))
 
 
-MODELS = {"table": ReadsTable, "sizes": ReadsSizes, "torch": TorchEncoder, "deberta": _deberta}
+MODELS = {
+    "table": ReadsTable,
+    "sizes": ReadsSizes,
+    "channels": ReadsChannels,
+    "torch": TorchEncoder,
+    "deberta": _deberta,
+}
 SPLIT = {  # a layer each model still splits (the split is real)
     "table": "inp.weight",
     "sizes": "mid.weight",
+    "channels": "conv1.weight",
     "torch": "layer.linear1.weight",
     "deberta": "m.deberta.encoder.layer.0.intermediate.dense.weight",
 }
@@ -94,6 +116,8 @@ def _batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if name == "deberta":
         x = torch.randint(0, 64, (24, 8), generator=g)
         y = torch.randint(0, 3, (24,), generator=g)
+    elif name == "channels":
+        x, y = torch.randn(24, 3, 8, 8, generator=g), torch.randint(0, 10, (24,), generator=g)
     else:
         x, y = torch.randn(24, 8, 16, generator=g), torch.randint(0, 10, (24,), generator=g)
     return list(zip(x.split(8), y.split(8), strict=True))

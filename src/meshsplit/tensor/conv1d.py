@@ -50,6 +50,8 @@ class ColumnParallelConv1D(ParallelLayer):
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 1, "bias": 0}
+    nf = property(lambda self: self.weight.shape[1] * self.tp)
+    """The whole layer's output features, as model code reads them."""
 
     def __init__(
         self,
@@ -100,6 +102,8 @@ class RowParallelConv1D(ParallelLayer):
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
+    nf = property(lambda self: self.weight.shape[1])
+    """The whole layer's output features, as model code reads them."""
 
     def __init__(
         self,

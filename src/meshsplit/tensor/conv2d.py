@@ -50,6 +50,9 @@ class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
+    in_channels = property(lambda self: self.weight.shape[1])
+    out_channels = property(lambda self: self.weight.shape[0] * self.tp)
+    """The whole layer's, as model code reads them."""
 
     def __init__(
         self,
@@ -106,6 +109,9 @@ class RowParallelConv2d(_ConvGeometry, ParallelLayer):
     """
 
     shard_dims: ClassVar[dict[str, int]] = {"weight": 1}
+    in_channels = property(lambda self: self.weight.shape[1] * self.tp)
+    out_channels = property(lambda self: self.weight.shape[0])
+    """The whole layer's, as model code reads them."""
 
     def __init__(
         self,
