@@ -69,6 +69,25 @@ class ReadsChannels(nn.Module):
         return self.head(h.reshape(h.shape[0], self.conv2.out_channels, -1).mean(2))
 
 
+class _Symmetric(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + weight.T
+
+
+class Parametrized(nn.Module):
+    """A Linear whose weight a parametrization computes (A + A^T): split, the rule is lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 64)
+        self.mid = nn.Linear(64, 64)
+        torch.nn.utils.parametrize.register_parametrization(self.mid, "weight", _Symmetric())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)))).mean(1))
+
+
 class TorchEncoder(nn.Module):
     """torch's own TransformerEncoderLayer: its attention is an nn.MultiheadAttention."""
 
@@ -99,6 +118,7 @@ MODELS = {
     "table": ReadsTable,
     "sizes": ReadsSizes,
     "channels": ReadsChannels,
+    "parametrized": Parametrized,
     "torch": TorchEncoder,
     "deberta": _deberta,
 }
@@ -106,6 +126,7 @@ SPLIT = {  # a layer each model still splits (the split is real)
     "table": "inp.weight",
     "sizes": "mid.weight",
     "channels": "conv1.weight",
+    "parametrized": "inp.weight",
     "torch": "layer.linear1.weight",
     "deberta": "m.deberta.encoder.layer.0.intermediate.dense.weight",
 }
@@ -140,6 +161,8 @@ def test_layers_read_outside_their_forward_or_never_called_stay_whole() -> None:
     out_proj = encoder["layer.self_attn.out_proj"]
     assert out_proj.split == "replicate" and "read outside" in out_proj.reason
     assert encoder["layer.linear1"].split == "column" and encoder["layer.linear2"].split == "row"
+    kept = {d.name: d for d in plan_splits(Parametrized(), 2, example=torch.randn(4, 8, 16))}
+    assert kept["mid"].split == "replicate" and "parametrization" in kept["mid"].reason
     sizes = {d.name: d for d in plan_splits(ReadsSizes(), 2, example=torch.randn(4, 8, 16))}
     assert sizes["pos"].split == "vocab"  # called: split, and answers num_embeddings whole
 
@@ -157,12 +180,29 @@ class AsksShapes(nn.Module):
         return y @ self.c.weight.to(y.dtype)
 
 
+class ReadsThroughProperties(nn.Module):
+    """Reads weights through `.T` (a head tied by hand) and `.data`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(64, 16), nn.Embedding(64, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + self.pos.weight.data[: ids.shape[1]]
+        return self.mid(h) @ self.emb.weight.T
+
+
 def test_asking_a_weight_its_dtype_or_shape_is_no_read_of_it() -> None:
     from meshsplit.tensor.reads import outside_reads
 
     model = AsksShapes()
     layers = {"a": model.a, "b": model.b, "c": model.c}
     assert outside_reads(model, torch.randn(2, 4), layers) == {"c"}
+    model = ReadsThroughProperties()
+    layers = {"emb": model.emb, "pos": model.pos, "mid": model.mid}
+    ids = torch.randint(0, 64, (2, 8))
+    assert outside_reads(model, ids, layers) == {"emb", "pos"}  # .T and .data are reads
 
 
 def _train(names: list[str]) -> dict[str, Any]:

@@ -22,19 +22,25 @@ __all__: list[str] = []
 
 _METADATA = frozenset(
     {"size", "dim", "numel", "stride", "is_contiguous", "element_size", "is_floating_point",
-     "is_complex", "data_ptr", "untyped_storage", "__len__", "__hash__", "requires_grad_"}
+     "is_complex", "data_ptr", "untyped_storage", "__len__", "__hash__", "requires_grad_",
+     "get_device"}
 )  # fmt: skip
 """Reads of a tensor's shape or kind, not its values: a model may ask them of any weight
 (`x.to(self.fc.weight.dtype)`)."""
 
 _TEMPLATES = frozenset(
     {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-     "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+     "new_zeros", "new_ones", "new_empty", "new_full"}
 )  # fmt: skip
 """Ops that take a tensor's shape, dtype and device only, whichever argument it is."""
 
-_CONVERSIONS = frozenset({"to", "type_as"})
-"""Ops that read the values of their first argument only (`x.to(w)` takes w's dtype)."""
+_CONVERSIONS = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
+"""Ops that read the values of their first argument only (`x.to(w)` takes w's dtype,
+`x.expand_as(w)` its shape)."""
+
+_VALUE_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+"""Properties that hand on a tensor's values (`h @ emb.weight.T`, `pos.weight.data[:T]`);
+every other property (shape, dtype, device, grad_fn...) describes it."""
 
 
 def outside_reads(model: nn.Module, example: Any, layers: Mapping[str, nn.Module]) -> set[str]:
@@ -60,13 +66,15 @@ def outside_reads(model: nn.Module, example: Any, layers: Mapping[str, nn.Module
             if known and not any(_holds(m, value) for m in running):
                 outside.update(owners[id(value)])
 
-    with _hooks(model, enter, leave), _Reads(read), torch.no_grad():
-        training = model.training
-        model.eval()
-        try:
+    training = model.training
+    model.eval()
+    try:
+        with _hooks(model, enter, leave), _Reads(read), torch.no_grad():
             call_model(model, example)
-        finally:
-            model.train(training)
+    except Exception:  # noqa: BLE001 - a forward the watch breaks (a torch.compile'd module
+        return set()  # traces the hooks) is left unwatched, as before this check existed
+    finally:
+        model.train(training)
     return outside
 
 
@@ -103,9 +111,12 @@ class _Reads(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _CONVERSIONS:
+        if name == "__get__":
+            if getattr(getattr(func, "__self__", None), "__name__", "") in _VALUE_PROPERTIES:
+                self.seen(args[:1])
+        elif name in _CONVERSIONS:
             self.seen(args[:1])
-        elif name not in _METADATA | _TEMPLATES and not name.endswith("__get__"):
+        elif name not in _METADATA | _TEMPLATES:
             self.seen([*_flat(args), *_flat(kwargs.values())])
         return func(*args, **kwargs)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
@@ -128,6 +129,9 @@ def _pair(
     row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
 
 
+_PARAMETRIZED = "its weight is made by a parametrization (torch.nn.utils.parametrize): kept whole"
+
+
 def _whole_where_read_outside(model: nn.Module, example: Any, units: list[Unit]) -> None:
     """Keep whole every undecided layer whose weight an op reads while no module holding it
     runs (nn.MultiheadAttention's out_proj, a position table added as `pos.weight[:T]`): a
@@ -213,6 +217,9 @@ def plan_splits(
     summed: dict[str, tuple[str, tuple[str, ...]]] = {}
     total = sum(p.numel() for p in model.parameters())
     _user_plan(by_name, tp_plan or {})
+    for unit in units:  # a parallel layer would hold the computed weight and drop the rule
+        if not unit.split and parametrize.is_parametrized(unit.module):
+            set_split(unit, "replicate", _PARAMETRIZED)
     if tp > 1:
         _model_plan(model, by_name, tp)
         if example is not None:
