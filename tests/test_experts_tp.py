@@ -110,7 +110,9 @@ def _resumed(
 @pytest.mark.parametrize(
     ("model", "saved", "loads"),
     [
-        ("mixtral", {"tp": 2}, [{"dp": 2}, {"tp": 2}]),
+        # experts fused gate|up, saved part by part under tp; read back whole under dp, as
+        # their parts under tp, and each rank its own experts under ep
+        ("mixtral", {"tp": 2}, [{"dp": 2}, {"tp": 2}, {"dp": 2, "ep": 2}]),
         ("gpt_oss", {"tp": 2}, [{"dp": 2}, {"tp": 2}]),
         # experts over ep and each expert's width over tp: saved whole over tp, sharded over
         # ep; read back under ep x tp with ZeRO 2 and under plain dp

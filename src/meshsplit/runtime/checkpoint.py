@@ -117,7 +117,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     _ensure_optimizer_state(training)
     state = _state(training)
     saved = metadata.state_dict_metadata
-    as_parts = fused_parts.ask_as_saved(state, saved, training.mesh.device)
+    sharded: dict[str, DTensor] = {}
+    as_parts = fused_parts.ask_as_saved(state, saved, training.mesh.device, sharded)
     rng_key = f"rng/rank{dist.get_rank()}"
     renamed = optimizer_keys.match_saved(
         state, metadata.state_dict_metadata, training.runner.local_state_dict()
@@ -135,6 +136,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     for key, (dim, count, _) in as_parts.items():
         pieces = [state.pop(name) for name in fused_parts.keys(key, dim, count)]
         state[key] = fused_parts.assembled(pieces, dim)
+        if key in sharded:
+            state[key] = fused_parts.placed_like(state[key], sharded[key])
     layouts, experts = _layouts(training), _expert_keys(training)
     with torch.no_grad():
         for key, live in _live_tensors(training):

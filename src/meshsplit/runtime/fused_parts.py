@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__: list[str] = []
 
@@ -53,6 +53,13 @@ def as_parts(key: str, shard: torch.Tensor, dim: int, parts: int, mesh: DeviceMe
     }
 
 
+def placed_like(whole: torch.Tensor, like: DTensor) -> DTensor:
+    """`whole` cut as `like` is sharded (this rank's experts, its ZeRO slice): no messages."""
+    mesh = like.device_mesh
+    every = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return every.redistribute(mesh, like.placements)
+
+
 def assembled(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     """Parts (or this rank's blocks of them, read as DTensors) back into one tensor."""
     return torch.cat([p.to_local() if isinstance(p, DTensor) else p for p in pieces], dim=dim)
@@ -75,14 +82,19 @@ def joined(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def ask_as_saved(
-    state: dict[str, Any], saved: Mapping[str, Any], device: torch.device
+    state: dict[str, Any],
+    saved: Mapping[str, Any],
+    device: torch.device,
+    placed: dict[str, DTensor],
 ) -> dict[str, tuple[int, int, bool]]:
     """Make `state` ask for each fused tensor as the checkpoint holds it: this rank's blocks
     of each part where both split it alike, else the whole parts, or the whole tensor (the
     format before parts, or a plan that did not fuse it), to be split here after the read.
     Returns key -> (dim, parts, whether the parts are this rank's blocks) of what is read
-    as parts."""
+    as parts; `placed` gets the sharded tensor each whole one read so must be cut like
+    (`placed_like`)."""
     read: dict[str, tuple[int, int, bool]] = {}
+    placed.clear()
     for key, (dim, count) in layouts(state).items():
         names = keys(key, dim, count)
         if all(name in saved for name in names):
@@ -93,10 +105,12 @@ def ask_as_saved(
         state[key] = None  # asked for below in the form the checkpoint holds
     for key, (dim, count) in layouts(saved).items():
         if key in state and key not in read:
-            state.pop(key)
+            like = state.pop(key)
             for name in keys(key, dim, count):
                 state[name] = _empty_like(saved[name], device)
             read[key] = (dim, count, False)
+            if isinstance(like, DTensor):  # sharded here (experts over ep, ZeRO over dp)
+                placed[key] = like
     for key in [k for k, v in state.items() if v is None and k in saved]:
         state[key] = _empty_like(saved[key], device)  # in neither form: the fit check says so
     return read
