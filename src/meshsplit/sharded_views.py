@@ -4,8 +4,9 @@ sharded parameters' gradients, so it is refused instead of warned about on every
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -15,15 +16,19 @@ from meshsplit.batch import tensors
 
 __all__: list[str] = []
 
-_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
-"""FSDP2's warning when a sharded module returns a view (torch 2.13; older ones say nothing)."""
-
 
 @contextmanager
-def quiet_view_warning() -> Iterator[None]:
-    """Silence FSDP2's view warning for a forward whose output only the loss reads."""
+def quiet_view_warning(units: Iterable[Any]) -> Iterator[None]:
+    """Silence FSDP2's warning that a sharded module returned a view (torch 2.13; older ones
+    say nothing) for `units` only, those whose output only the loss reads: every other
+    unit's view, read by the model's own code, still warns."""
+    names = sorted({re.escape(type(unit).__name__) for unit in units})
+    if not names:
+        yield
+        return
+    pattern = rf"FSDP2-wrapped module \(({'|'.join(names)})\) returned a view tensor"
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
         yield
 
 

@@ -225,6 +225,7 @@ class Stage:
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
         self._fsdp: bool | None = None
+        self._output_units: list[Any] | None = None
 
     def _tag(self, source: int, destination: int | None = None) -> int:
         """The tag of activations from chunk `source` to `destination` (default: this one)."""
@@ -308,10 +309,19 @@ class Stage:
         return self._fsdp
 
     def _quiet(self) -> AbstractContextManager[None]:
-        """FSDP2's view warning silenced where ZeRO 2/3 shards this chunk: what its units
-        return is read by the next layer, sent (a copy), or read by the loss, which
-        `check_unchanged` watches instead."""
-        return quiet_view_warning() if self._sharded() else nullcontext()
+        """FSDP2's view warning silenced for the units that make the model's output on the
+        last chunk (the loss reads it, `check_unchanged` watches it instead); other units'
+        views, read by the model's own code, still warn."""
+        if not (self.last and self._sharded()):
+            return nullcontext()
+        if self._output_units is None:
+            last = getattr(self.program, "layers", [None])[-1]
+            holder = self.module if last is None else last.module
+            self._output_units = [m for m in holder.modules() if isinstance(m, FSDPModule)]
+            if not self._output_units:  # the unit holds the layer: the chunk's units then
+                units = self.module.modules()
+                self._output_units = [m for m in units if isinstance(m, FSDPModule)]
+        return quiet_view_warning(self._output_units)
 
     def _owned(self, value: Any) -> Any:
         """A value of its own: a copy if it lives in a pool buffer that will be reused."""

@@ -117,7 +117,7 @@ class LocalRunner:
         PyTorch: no name holds it (and its size) over backward."""
         if not isinstance(self.module, FSDPModule):
             return self.loss_fn(call_model(self.module, x), y)
-        with quiet_view_warning():  # only the loss reads the output: checked instead
+        with quiet_view_warning([self.module]):  # only the loss reads it: checked instead
             output = call_model(self.module, x)
         views = views_of(output)
         loss = self.loss_fn(output, y)
