@@ -95,29 +95,42 @@ def ask_as_saved(
     (`placed_like`)."""
     read: dict[str, tuple[int, int, bool]] = {}
     placed.clear()
+    shapes: dict[str, torch.Size] = {}  # each tensor's whole shape here, for the fit check
     for key, (dim, count) in layouts(state).items():
         names = keys(key, dim, count)
         if all(name in saved for name in names):
             read[key] = (dim, count, True)
             continue
+        whole = list(state[names[0]].shape)
+        whole[dim] *= count
+        shapes[key] = torch.Size(whole)
         for name in names:
             del state[name]
         state[key] = None  # asked for below in the form the checkpoint holds
     for key, (dim, count) in layouts(saved).items():
         if key in state and key not in read:
             like = state.pop(key)
+            shape = like.shape if isinstance(like, torch.Tensor) else shapes.get(key)
             for name in keys(key, dim, count):
-                state[name] = _empty_like(saved[name], device)
+                piece = None if shape is None else _part_shape(shape, dim, count)
+                state[name] = _empty_like(saved[name], device, piece)
             read[key] = (dim, count, False)
             if isinstance(like, DTensor):  # sharded here (experts over ep, ZeRO over dp)
                 placed[key] = like
     for key in [k for k, v in state.items() if v is None and k in saved]:
-        state[key] = _empty_like(saved[key], device)  # in neither form: the fit check says so
-    return read
+        state[key] = _empty_like(saved[key], device, shapes.get(key))
+    return read  # a key in neither form stays None: the fit check names it
 
 
-def _empty_like(item: Any, device: torch.device) -> torch.Tensor | None:
-    """A tensor for DCP to read a saved tensor whole into."""
+def _part_shape(shape: torch.Size, dim: int, count: int) -> torch.Size:
+    part = list(shape)
+    part[dim] //= count
+    return torch.Size(part)
+
+
+def _empty_like(item: Any, device: torch.device, shape: torch.Size | None) -> torch.Tensor | None:
+    """A tensor to read a saved one into whole: of this model's `shape` where known, so
+    that a checkpoint of another model fails the fit check, not the copy after the read."""
     if not isinstance(item, TensorStorageMetadata):
         return None
-    return torch.empty(item.size, dtype=item.properties.dtype, device=device)
+    return torch.empty(shape or item.size, dtype=item.properties.dtype, device=device)

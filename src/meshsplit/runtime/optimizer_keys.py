@@ -47,7 +47,9 @@ def match_saved(
     elif missing and any(k.startswith("optim/") for k in saved):
         # none of ours, though the saving run's optimizer had state: another optimizer class
         # (a checkpoint saved before the first step, or by a stateless one, holds none at all)
-        others = sorted({k.rsplit("/", 1)[1] for k in saved if k.startswith("optim/")})
+        others = sorted(
+            {k.rsplit("/", 1)[1].split("#part")[0] for k in saved if k.startswith("optim/")}
+        )  # a fused tensor's state is saved part by part: one name for its parts
         warnings.warn(
             f"the checkpoint holds optimizer state ({', '.join(others[:4])}) but none of this "
             f"rank's {len(wanted)} optimizer state tensors (e.g. {', '.join(missing[:3])}): "
