@@ -253,6 +253,16 @@ def _block_view_warnings() -> list[str]:
     return [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
 
 
+def _fsdp_warns_of_views() -> bool:
+    """Whether this torch's FSDP2 warns of a view a unit returns (2.13 does, 2.11 does not)."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    return "returned a view tensor" in inspect.getsource(_fsdp_state)
+
+
+@pytest.mark.skipif(not _fsdp_warns_of_views(), reason="this torch's FSDP2 does not warn of views")
 def test_a_blocks_view_changed_by_the_models_own_code_is_still_warned_about() -> None:
     """Only the output the loss reads is checked by meshsplit; a block unit's view that the
     model's own code changes in place keeps FSDP2's warning, which explains the failure."""
