@@ -14,7 +14,7 @@ from meshsplit.pipeline.p2p import TensorMeta, decode, encode
 from meshsplit.pipeline.profile import profile_layers
 from meshsplit.pipeline.stage import plan_routes
 
-from reference import build
+from reference import build, train_plainly
 
 
 def _run(graph: LayerGraph, x: torch.Tensor) -> torch.Tensor:
@@ -220,14 +220,8 @@ def _grid_losses(plan: ms.Plan | None) -> list[float]:
     x, y = torch.randn(8, 6, 4), torch.randint(0, 3, (8,))
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     if plan is None:
-        optimizer, losses = sgd(model.parameters()), []
-        for _ in range(3):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses
+        steps = [(x, y)] * 3
+        return train_plainly(model, sgd(model.parameters()), nn.functional.cross_entropy, steps)[0]
     engine = ms.parallelize(model, plan, optimizer=sgd, loss_fn=nn.CrossEntropyLoss())
     return [engine.train_step(x, y) for _ in range(3)]
 

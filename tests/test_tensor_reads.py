@@ -20,6 +20,8 @@ from torch import nn
 import meshsplit as ms
 from meshsplit.tensor import plan_splits
 
+from reference import train_plainly
+
 RTOL, ATOL = 1e-4, 1e-5
 
 
@@ -225,13 +227,9 @@ def test_models_that_read_weights_directly_train_exactly_under_tp2() -> None:
     for name in names:
         model = _build(name)
         whole = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        optimizer, losses = _sgd(model.parameters()), []
-        for x, y in _batches(name):
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses, _ = train_plainly(
+            model, _sgd(model.parameters()), nn.functional.cross_entropy, _batches(name)
+        )
         for rank, results in enumerate(per_rank):
             got_losses, state, held = results[name]
             where = f"{name} rank {rank}"

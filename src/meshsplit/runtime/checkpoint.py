@@ -117,8 +117,7 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     _ensure_optimizer_state(training)
     state = _state(training)
     saved = metadata.state_dict_metadata
-    sharded: dict[str, DTensor] = {}
-    as_parts = fused_parts.ask_as_saved(state, saved, training.mesh.device, sharded)
+    as_parts, sharded = fused_parts.ask_as_saved(state, saved, training.mesh.device)
     rng_key = f"rng/rank{dist.get_rank()}"
     renamed = optimizer_keys.match_saved(
         state, metadata.state_dict_metadata, training.runner.local_state_dict()

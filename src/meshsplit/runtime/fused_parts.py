@@ -85,16 +85,15 @@ def ask_as_saved(
     state: dict[str, Any],
     saved: Mapping[str, Any],
     device: torch.device,
-    placed: dict[str, DTensor],
-) -> dict[str, tuple[int, int, bool]]:
+) -> tuple[dict[str, tuple[int, int, bool]], dict[str, DTensor]]:
     """Make `state` ask for each fused tensor as the checkpoint holds it: this rank's blocks
     of each part where both split it alike, else the whole parts, or the whole tensor (the
     format before parts, or a plan that did not fuse it), to be split here after the read.
     Returns key -> (dim, parts, whether the parts are this rank's blocks) of what is read
-    as parts; `placed` gets the sharded tensor each whole one read so must be cut like
+    as parts, and key -> the sharded tensor a whole one read must be cut like
     (`placed_like`)."""
     read: dict[str, tuple[int, int, bool]] = {}
-    placed.clear()
+    placed: dict[str, DTensor] = {}
     shapes: dict[str, torch.Size] = {}  # each tensor's whole shape here, for the fit check
     for key, (dim, count) in layouts(state).items():
         names = keys(key, dim, count)
@@ -119,7 +118,7 @@ def ask_as_saved(
                 placed[key] = like
     for key in [k for k, v in state.items() if v is None and k in saved]:
         state[key] = _empty_like(saved[key], device, shapes.get(key))
-    return read  # a key in neither form stays None: the fit check names it
+    return read, placed  # a key in neither form stays None: the fit check names it
 
 
 def _part_shape(shape: torch.Size, dim: int, count: int) -> torch.Size:

@@ -34,6 +34,9 @@ _TEMPLATES = frozenset(
 )  # fmt: skip
 """Ops that take a tensor's shape, dtype and device only, whichever argument it is."""
 
+_NOT_READS = _METADATA | _TEMPLATES
+"""Ops that read no value of any argument, asked once per op of the watched forward."""
+
 _CONVERSIONS = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
 """Ops that read the values of their first argument only (`x.to(w)` takes w's dtype,
 `x.expand_as(w)` its shape)."""
@@ -116,7 +119,7 @@ class _Reads(TorchFunctionMode):
                 self.seen(args[:1])
         elif name in _CONVERSIONS:
             self.seen(args[:1])
-        elif name not in _METADATA | _TEMPLATES:
+        elif name not in _NOT_READS:
             self.seen([*_flat(args), *_flat(kwargs.values())])
         return func(*args, **kwargs)
 
