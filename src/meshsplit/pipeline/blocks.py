@@ -71,9 +71,10 @@ class Piece:
     """Bytes of the tensors it is called with: what a cut before it sends per micro-batch."""
     crossing: int
     """How many tensors it is called with (args and kwargs): the values a cut before it sends."""
-    placeholders: tuple[Placeholder, ...]
-    """What each of its calls in one forward returned, in call order (a piece a loop calls
-    again, or one called on its input's padding too, may answer in other shapes)."""
+    placeholders: dict[bool, tuple[Placeholder, ...]]
+    """Training or not -> what each of its calls in one forward returned, in call order (a
+    piece a loop calls again, or one called on its input's padding too, may answer in other
+    shapes; a forward may make other values when evaluating, as RWKV's state)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,9 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
                 parameter_bytes=sum(p.numel() * p.element_size() for p in named[name].parameters()),
                 crossing_bytes=sum(t.numel() * t.element_size() for t in record.inputs[name]),
                 crossing=len(record.inputs[name]),
-                placeholders=tuple(record.placeholders[name]),
+                placeholders={
+                    mode: tuple(made[name]) for mode, made in record.placeholders.items()
+                },
             )
             for name in order
         ),
@@ -223,14 +226,16 @@ class _Record:
     nested: dict[str, str]
     forward_ms: dict[str, float]
     inputs: dict[str, list[torch.Tensor]]
-    placeholders: dict[str, list[Placeholder]]
+    placeholders: dict[bool, dict[str, list[Placeholder]]]
+    """Training or not -> piece -> what its calls returned."""
 
 
 def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Record:
     """Run `model` on `example` a few times under hooks; restore buffers and RNG afterwards.
 
     The first run records the calls (order, count, nesting, inputs, outputs) and warms up;
-    the others are timed.
+    the others are timed; one more, in the other mode (evaluating or training), records what
+    the pieces return in that mode.
     """
     name_of = {id(m): n for n, m in model.named_modules()}
     record = _Record({name_of[id(m)]: 0 for m in modules}, {}, {}, {}, {}, {})
@@ -239,6 +244,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     started: dict[str, float] = {}
     example_rows = rows(example)
     sweep = [0]
+    first_modes: set[bool] = set()
 
     def before(module: nn.Module, args: Any, kwargs: Any) -> None:
         name = name_of[id(module)]
@@ -253,8 +259,9 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
 
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = name_of[id(module)]
-        if sweep[0] == 0:
-            record.placeholders.setdefault(name, []).append(_placeholder(output, example_rows))
+        if sweep[0] == 0 or (sweep[0] > _REPEATS and module.training not in first_modes):
+            made = record.placeholders.setdefault(module.training, {})
+            made.setdefault(name, []).append(_placeholder(output, example_rows))
         else:  # a piece the forward calls several times (a loop) costs all its calls
             timings[name][sweep[0] - 1] += time.perf_counter() - started[name]
         active.pop()
@@ -263,11 +270,18 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     rng = torch.random.get_rng_state()
     handles = [m.register_forward_pre_hook(before, with_kwargs=True) for m in modules]
     handles += [m.register_forward_hook(after, with_kwargs=True) for m in modules]
+    modes = {module: module.training for module in model.modules()}
     try:
         with torch.no_grad():
             for sweep[0] in range(_REPEATS + 1):
                 call_model(model, example)
+            first_modes = set(record.placeholders)
+            model.train(not model.training)
+            sweep[0] = _REPEATS + 1
+            call_model(model, example)
     finally:
+        for module, mode in modes.items():
+            module.training = mode
         for handle in handles:
             handle.remove()
         with torch.no_grad():

@@ -61,7 +61,9 @@ class Spine:
             first, stop = spine._range
             if index < first:  # what this call of the piece answered on the example
                 call = spine._calls[index] = spine._calls.get(index, -1) + 1
-                made = piece.placeholders[min(call, len(piece.placeholders) - 1)]
+                answers = piece.placeholders.get(module.training)
+                answers = answers or next(iter(piece.placeholders.values()))
+                made = answers[min(call, len(answers) - 1)]
                 return made.make(spine._rows, spine._device)
             if index == first and first > 0 and not spine._swapped:  # its first call only
                 args, kwargs = spine._substitute(piece, (args, kwargs))
@@ -126,35 +128,51 @@ class Spine:
 
 
 def check_chain(spine: Spine, sizes: Sequence[int], example: Any) -> None:
-    """Refuse a cut whose stages, chained, do not give the model's own output on `example`.
+    """Refuse a cut whose stages, chained, do not give the model's own output on `example`,
+    evaluating nor training alike seeded (see `cut_positions`).
 
     That happens when the forward reads, after a cut, something made before it other than
     through the arguments of the piece after it (say, the embeddings' output reused at the
-    end). Runs in eval mode (no dropout), with every stage's weights still here.
+    end). Runs with every stage's weights still here.
     """
-    with _evaluating(spine.model):
-        mismatch = _first_mismatch(_chained(spine, sizes, example), _whole(spine, example))
-    if mismatch:
+    mismatches = []
+    for training in (False, True):
+        with _in_mode(spine.model, training=training):
+            want = _whole(spine, example)
+            try:
+                mismatches.append(_first_mismatch(_chained(spine, sizes, example), want))
+            except (PlanError, RuntimeError, ValueError, IndexError, TypeError) as error:
+                mismatches.append(str(error))
+    if all(mismatches):
         starts = [spine.pieces[sum(sizes[:k])].name for k in range(1, len(sizes))]
         raise PlanError(
             f"cutting {type(spine.model).__name__} before {starts} changes its output "
-            f"({mismatch}): its forward uses a value from before a cut other than through the "
-            "arguments of the piece after it; choose other cuts with Plan.split_points, or make "
-            "the model an nn.Sequential of pieces"
+            f"({mismatches[0]}): its forward uses a value from before a cut other than through "
+            "the arguments of the piece after it; choose other cuts with Plan.split_points, or "
+            "make the model an nn.Sequential of pieces"
         )
 
 
 def cut_positions(spine: Spine, example: Any) -> list[int]:
-    """The pieces a stage may begin at: those where one cut alone keeps the model's output.
+    """The pieces a stage may begin at: those where one cut alone keeps the model's output,
+    evaluating (no dropout) or training alike seeded (the mode the stages run in, whose
+    values the placeholders hold: RWKV's blocks pass a state only when evaluating).
 
     (GPT-2 adds its token and position embeddings after calling both, so no stage may begin
     at the position embedding; a recurrent-depth model loops over some blocks, so no stage
     begins inside the loop.)
     """
-    with _evaluating(spine.model):
-        want = _whole(spine, example)
-        count = len(spine.pieces)
-        return [k for k in range(1, count) if _keeps(spine, (k, count - k), example, want)]
+    count = len(spine.pieces)
+    kept: set[int] = set()
+    for training in (False, True):
+        with _in_mode(spine.model, training=training):
+            want = _whole(spine, example)
+            kept |= {
+                k
+                for k in range(1, count)
+                if k not in kept and _keeps(spine, (k, count - k), example, want)
+            }
+    return sorted(kept)
 
 
 def _keeps(spine: Spine, sizes: Sequence[int], example: Any, want: Any) -> bool:
@@ -167,22 +185,34 @@ def _keeps(spine: Spine, sizes: Sequence[int], example: Any, want: Any) -> bool:
 
 
 @contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
-    training = {module: module.training for module in model.modules()}
-    model.eval()
+def _in_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
+    """Runs of `model` in one mode, without gradients, leaving its modes, buffers (running
+    statistics) and the random streams as they were."""
+    modes = {module: module.training for module in model.modules()}
+    buffers = [b.detach().clone() for b in model.buffers()]
+    model.train(training)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng():
             yield
     finally:
-        for module, mode in training.items():
+        for module, mode in modes.items():
             module.training = mode
+        with torch.no_grad():
+            for saved, live in zip(buffers, model.buffers(), strict=True):
+                live.copy_(saved)
+
+
+_SEED = 0
+"""Each run starts from this seed (inside `_in_mode`), so training runs draw alike."""
 
 
 def _whole(spine: Spine, example: Any) -> Any:
+    torch.manual_seed(_SEED)
     return call_model(spine.model, example)
 
 
 def _chained(spine: Spine, sizes: Sequence[int], example: Any) -> Any:
+    torch.manual_seed(_SEED)
     values: tuple[Any, ...] = ()
     start = 0
     for size in sizes:

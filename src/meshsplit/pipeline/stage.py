@@ -275,8 +275,7 @@ class Stage:
         flat = [t for values in received for t in values]
         with self.precision.autocast(), self._quiet():
             made = self.compute(x, *flat)
-        values = dict(zip(self.program.made, made, strict=True))
-        sent = [[values[n] for n in names] for _, names in self.routes.sends]
+        values, sent = self._sent(made)
         sending = self.exchange.send(
             [
                 (self.peers[dst], self._tag(self.index, dst), t)
@@ -301,6 +300,17 @@ class Stage:
             check_unchanged(views)
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
         step.in_flight[(self.index, micro)] = flight
+
+    def _sent(self, made: tuple[Any, ...]) -> tuple[dict[str, Any], list[list[Any]]]:
+        """The values `made` by name, and what each send carries. A stage of the block front
+        end sends what the next stage's first piece is called with, which a forward may make
+        otherwise when evaluating (RWKV's blocks pass their state then): its one send carries
+        them all, in order, as the next stage's forward asks for them."""
+        names = self.program.made
+        if len(made) != len(names) and not self.last and len(self.routes.sends) == 1:
+            return {}, [list(made)]
+        values = dict(zip(names, made, strict=True))
+        return values, [[values[n] for n in names] for _, names in self.routes.sends]
 
     def _sharded(self) -> bool:
         """Whether FSDP2 (ZeRO 2/3) wraps a module of this chunk; asked once."""
