@@ -1,6 +1,7 @@
-"""The check that replaces FSDP2's view warning where only the loss reads a sharded module's
-output: an in-place change of that view would drop the hook that gathers and reduces the
-sharded parameters' gradients, so it is refused instead of warned about on every step."""
+"""The check that replaces FSDP2's view warning: an in-place change of a view a sharded module
+returned drops the hook that gathers and reduces its parameters' gradients. FSDP2 warns of
+every such view, changed or not (T5's blocks return one on every step); meshsplit watches
+the views instead and refuses the change where one happens."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from meshsplit.batch import tensors
 
@@ -47,3 +50,43 @@ def check_unchanged(views: list[tuple[torch.Tensor, int]]) -> None:
             "parameters' gradients, and the change drops it: compute the loss out of "
             "place (out = out * t, not out *= t)"
         )
+
+
+class ViewWatch:
+    """The views the sharded units of `root` return while training, with their versions:
+    FSDP2's warning about them is silenced (`watching`), and `check`, after the loss, raises
+    where one was changed in place, naming the unit."""
+
+    def __init__(self, root: nn.Module) -> None:
+        # (a pipeline chunk holds its layers under their model names, '/' for '.')
+        names = {id(m): name.replace("/", ".") for name, m in root.named_modules()}
+        self.units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        self._seen: list[tuple[torch.Tensor, int, str]] = []
+        for unit in self.units:
+            name = names[id(unit)]
+
+            def record(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                if torch.is_grad_enabled():
+                    self._seen += [(t, t._version, name) for t in tensors(output) if t._is_view()]
+
+            unit.register_forward_hook(record)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """A forward whose units' views are recorded instead of warned about."""
+        self._seen = []
+        with quiet_view_warning(self.units):
+            yield
+
+    def check(self) -> None:
+        """Raise when a recorded view was changed in place since its unit returned it."""
+        changed = sorted({name for t, version, name in self._seen if t._version != version})
+        self._seen = []
+        if changed:
+            what = [f"the output of {name!r}" if name else "the model's output" for name in changed]
+            raise RuntimeError(
+                f"changed in place after it was returned: {', '.join(what)}; under "
+                "Plan.zero=2/3 such an output is a view carrying the hook that gathers and "
+                "reduces the module's sharded parameters' gradients, and the change drops it: "
+                "change it out of place (out = out * t, not out *= t), or .clone() it first"
+            )

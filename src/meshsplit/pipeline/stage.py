@@ -9,14 +9,12 @@ Rationale: docs/internals.md#pipelinestagepy
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from meshsplit.batch import tensors
 from meshsplit.phases import phase
@@ -30,7 +28,7 @@ from meshsplit.pipeline.split_backward import (
     weight_gradients,
 )
 from meshsplit.precision import Precision
-from meshsplit.sharded_views import check_unchanged, quiet_view_warning, views_of
+from meshsplit.sharded_views import ViewWatch
 
 __all__: list[str] = []
 
@@ -224,8 +222,8 @@ class Stage:
         """The autocast forward and loss run in, and the loss scale backward starts from."""
         self.compute: Callable[..., tuple[Any, ...]] = program
         """How the program runs: as it is, or recomputed in backward (the memory policy)."""
-        self._fsdp: bool | None = None
-        self._output_units: list[Any] | None = None
+        self._views: ViewWatch | None = None
+        """Under ZeRO 2/3: the views the chunk's sharded units return (made on first use)."""
 
     def _tag(self, source: int, destination: int | None = None) -> int:
         """The tag of activations from chunk `source` to `destination` (default: this one)."""
@@ -273,7 +271,8 @@ class Stage:
         messages = self.exchange.receive(self._sources(key))
         received = [_leaves(message) for message in messages]
         flat = [t for values in received for t in values]
-        with self.precision.autocast(), self._quiet():
+        views = self._watch()
+        with self.precision.autocast(), views.watching():
             made = self.compute(x, *flat)
         values, sent = self._sent(made)
         sending = self.exchange.send(
@@ -293,12 +292,10 @@ class Stage:
             return
         flight = _InFlight(received=received, buffers=buffers, sent=sent, sending=sending)
         if self.last and loss_of is not None:
-            output = values[self.model_output]
-            views = views_of(output) if self._sharded() else []
             with self.precision.autocast():
-                flight.loss = loss_of(output, y)
-            check_unchanged(views)
+                flight.loss = loss_of(values[self.model_output], y)
             step.loss = flight.loss.detach() + (step.loss if step.loss is not None else 0.0)
+        views.check()
         step.in_flight[(self.index, micro)] = flight
 
     def _sent(self, made: tuple[Any, ...]) -> tuple[dict[str, Any], list[list[Any]]]:
@@ -312,26 +309,16 @@ class Stage:
         values = dict(zip(names, made, strict=True))
         return values, [[values[n] for n in names] for _, names in self.routes.sends]
 
-    def _sharded(self) -> bool:
-        """Whether FSDP2 (ZeRO 2/3) wraps a module of this chunk; asked once."""
-        if self._fsdp is None:
-            self._fsdp = any(isinstance(m, FSDPModule) for m in self.module.modules())
-        return self._fsdp
+    def _watch(self) -> ViewWatch:
+        """The views this chunk's sharded units (ZeRO 2/3) return, watched for in-place
+        changes instead of warned about (made on first use, after FSDP2 wrapped them)."""
+        if self._views is None:
+            self._views = ViewWatch(self.module)
+        return self._views
 
-    def _quiet(self) -> AbstractContextManager[None]:
-        """FSDP2's view warning silenced for the units that make the model's output on the
-        last chunk (the loss reads it, `check_unchanged` watches it instead); other units'
-        views, read by the model's own code, still warn."""
-        if not (self.last and self._sharded()):
-            return nullcontext()
-        if self._output_units is None:
-            last = getattr(self.program, "layers", [None])[-1]
-            holder = self.module if last is None else last.module
-            self._output_units = [m for m in holder.modules() if isinstance(m, FSDPModule)]
-            if not self._output_units:  # the unit holds the layer: the chunk's units then
-                units = self.module.modules()
-                self._output_units = [m for m in units if isinstance(m, FSDPModule)]
-        return quiet_view_warning(self._output_units)
+    def _sharded(self) -> bool:
+        """Whether FSDP2 (ZeRO 2/3) wraps a module of this chunk."""
+        return bool(self._watch().units)
 
     def _owned(self, value: Any) -> Any:
         """A value of its own: a copy if it lives in a pool buffer that will be reused."""

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from meshsplit.batch import LossFn, call_model, loss_weight, rows, split_rows, tensors
 from meshsplit.phases import phase
 from meshsplit.precision import Precision
-from meshsplit.sharded_views import check_unchanged, quiet_view_warning, views_of
+from meshsplit.sharded_views import ViewWatch
 
 __all__: list[str] = []
 
@@ -81,6 +81,8 @@ class LocalRunner:
         self.loss_so_far = torch.zeros(())
         """The step's weighted loss over the micro-batches run so far (each added before its
         backward): what the gradient sync's riders carry (runtime/agreement.py)."""
+        self._views: ViewWatch | None = None
+        """Under ZeRO 2/3: the views the sharded units return, made on the first step."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -117,11 +119,11 @@ class LocalRunner:
         PyTorch: no name holds it (and its size) over backward."""
         if not isinstance(self.module, FSDPModule):
             return self.loss_fn(call_model(self.module, x), y)
-        with quiet_view_warning([self.module]):  # only the loss reads it: checked instead
-            output = call_model(self.module, x)
-        views = views_of(output)
-        loss = self.loss_fn(output, y)
-        check_unchanged(views)
+        if self._views is None:
+            self._views = ViewWatch(self.module)
+        with self._views.watching():  # FSDP2 warns of every view; those changed are refused
+            loss = self.loss_fn(call_model(self.module, x), y)
+        self._views.check()
         return loss
 
     def forward(self, inputs: Any) -> Any:
