@@ -234,6 +234,30 @@ def test_every_input_rank_matches_nn_batchnorm() -> None:
         torch.testing.assert_close(ours(x), plain(x), rtol=RTOL, atol=ATOL)
 
 
+def test_one_replica_normalises_bit_for_bit_as_nn_batchnorm() -> None:
+    """Without dp (one process, pp, tp) a converted layer computes what nn.BatchNorm does to
+    the last bit, forward and backward: a value an ulp from zero before a ReLU must keep its
+    side (a formula of its own flipped one on a random SE-ResNeXt, whose zero-initialised
+    last norms make such ties, and put a gradient 15% off one process's)."""
+    for zero_weight in (False, True):
+        plain = nn.BatchNorm2d(6)
+        with torch.no_grad():
+            plain.weight.copy_(torch.zeros(6) if zero_weight else torch.rand(6) + 0.5)
+            plain.bias.copy_(torch.randn(6))
+        ours = nn.Sequential(copy.deepcopy(plain))
+        convert_batchnorm(ours, None, 1)
+        x = torch.randn(8, 6, 1, 1, generator=torch.Generator().manual_seed(4)) * 5 + 3
+        probe = torch.randn(8, 6, 1, 1)
+        outputs, inputs = [], [x.clone().requires_grad_() for _ in range(2)]
+        for model, inp in zip((plain, ours), inputs, strict=True):
+            outputs.append(model(inp))
+            (torch.relu(outputs[-1]) * probe).sum().backward()
+        assert torch.equal(outputs[1], outputs[0])
+        assert torch.equal(inputs[1].grad, inputs[0].grad)
+        for p, q in zip(plain.parameters(), ours.parameters(), strict=True):
+            assert torch.equal(q.grad, p.grad)
+
+
 def test_micro_batches_normalise_apart_and_update_running_stats_once() -> None:
     plain = _cnn()
     ours = copy.deepcopy(plain)
