@@ -86,7 +86,7 @@ def shard_state(
     reshard = stage == 3
     kept_whole = {id(p) for p in keep_whole}
     left_alone = set(ignored)
-    wrapped = _exclusive(module, units, kept_whole)
+    wrapped = _exclusive(module, _runnable(module, units), kept_whole)
     if root_runs:  # small units ride with the root: a gather each costs more than it saves
         wrapped = [*_large(module, wrapped), ""]
     taken: set[int] = set()
@@ -156,6 +156,21 @@ UNIT_FLOOR_BYTES = 2**20
 """A unit's parameters below this ride with the root: each unit costs a gather and a
 reduction of fixed cost (about a millisecond on gloo, with FSDP2's hooks) that saves less
 memory than it costs time; between steps they are sharded all the same."""
+
+
+def _runnable(module: nn.Module, units: list[str]) -> list[str]:
+    """The units FSDP2 can wrap: a container the model walks itself (a ModuleList of a
+    stage's blocks, as Twins keeps them; a ModuleDict) has no forward to hook, so its
+    children with parameters stand for it."""
+    found: list[str] = []
+    for name in units:
+        unit = module.get_submodule(name)
+        if isinstance(unit, nn.ModuleList | nn.ModuleDict):
+            holders = [n for n, c in unit.named_children() if any(True for _ in c.parameters())]
+            found += _runnable(module, [f"{name}.{child}" for child in holders])
+        else:
+            found.append(name)
+    return found
 
 
 def _large(module: nn.Module, units: list[str]) -> list[str]:
