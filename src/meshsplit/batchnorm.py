@@ -13,7 +13,6 @@ Rationale: docs/internals.md#batchnormpy
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ def convert_batchnorm(
     Always converts, even at dp=1 and micro_batches=1: nn.BatchNorm under activation
     recomputation updates its running statistics twice per step, and one kind of layer
     keeps one rule (call `commit_batchnorm` after every step). A subclass with its own
-    forward is left as it is, with a warning: its rule is unknown. Returns the names converted.
+    forward is left as it is (see `batchnorm_subclasses.py`). Returns the names converted.
     """
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
@@ -57,12 +56,6 @@ def convert_batchnorm(
         if _convertible(module):
             new = BatchNorm.from_module(module, dp_group, micro_batches)
             replacements[id(module)] = (name, new)
-        elif isinstance(module, tuple(_INPUT_DIMS)):
-            warnings.warn(
-                f"{name!r} ({type(module).__name__}) overrides forward, so it was not "
-                "converted: under dp it normalises with this replica's rows only",
-                stacklevel=2,
-            )
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in replacements:
@@ -208,25 +201,25 @@ class BatchNorm(_BatchNorm):
             )
         if self.dp == 1:
             return self._local(input)
-        count, mean, m2 = _moments(input.detach(), self.dp_group)
+        count, mean, m2 = moments(input.detach(), self.dp_group)
         # only a replica with <= 1 value per channel reads the count back (a device sync)
         if input.numel() <= input.size(1) and count.item() <= 1:
             raise ValueError(
                 f"expected more than 1 value per channel when training, got input size "
                 f"{tuple(input.shape)} (dp={self.dp})"
             )
-        if self.training and self.track_running_stats and not _recomputing():
+        if self.training and self.track_running_stats and not recomputing():
             self._accumulate(count, mean, m2)
         invstd = torch.rsqrt(m2 / count + self.eps)
-        return _Normalize.apply(input, mean, invstd, self.weight, self.bias, count, self.dp_group)
+        return Normalize.apply(input, mean, invstd, self.weight, self.bias, count, self.dp_group)
 
     def _local(self, input: torch.Tensor) -> torch.Tensor:
         """Statistics of this process's rows alone: PyTorch's own kernel, forward and
         backward, so the result is bit for bit a plain BatchNorm's (a value an ulp from zero
         before a ReLU keeps its side: a float32 formula of our own flipped one on a random
         SE-ResNeXt and put a gradient 15% off); the running statistics still wait."""
-        if self.training and self.track_running_stats and not _recomputing():
-            self._accumulate(*_moments(input.detach(), None))
+        if self.training and self.track_running_stats and not recomputing():
+            self._accumulate(*moments(input.detach(), None))
         return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
     @torch.no_grad()
@@ -263,7 +256,7 @@ class BatchNorm(_BatchNorm):
             buffer.zero_()
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """Whether autograd is running a backward pass now.
 
     A forward inside backward is activation recomputation (torch.utils.checkpoint redoes
@@ -277,7 +270,7 @@ def _reduced_dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
 
 
-def _moments(
+def moments(
     x: torch.Tensor, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per channel (n, μ, M2) of `x` over all replicas of `group` (one all-gather)."""
@@ -308,7 +301,7 @@ def _combine(
     return count, mean, m2
 
 
-class _Normalize(torch.autograd.Function):
+class Normalize(torch.autograd.Function):
     """y = x̂·w + b, x̂ = (x − μ)·σ⁻¹ with μ, σ of the micro-batch over all of dp.
 
     backward: dx = σ⁻¹·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w, the means over the n

@@ -19,6 +19,7 @@ from torch import nn
 from meshsplit import data_parallel, tensor
 from meshsplit.batch import LossFn
 from meshsplit.batchnorm import batchnorm_state, convert_batchnorm
+from meshsplit.batchnorm_subclasses import normalise_over, own_forwards
 from meshsplit.data_parallel import ShardUnits, Sync
 from meshsplit.experts import (
     ExpertGroups,
@@ -105,6 +106,9 @@ def apply_plan(
         lazy_model.keep(model, batchnorm_state(model), mesh.device)
     statistics = None if plan.asynchronous else mesh.group("dp")
     batchnorm = convert_batchnorm(model, statistics, plan.micro_batches)
+    if statistics is not None and dist.get_world_size(statistics) > 1:
+        for _, module in own_forwards(model):  # timm's BatchNormAct2d: its F.batch_norm calls
+            normalise_over(module, statistics)
     blocks = piece_names(model) if plan.recompute in ("always", "auto") else []
     operator_split: list[tensor.Decision] = []
     runner: Runner
