@@ -62,11 +62,13 @@ class ViewWatch:
         names = {id(m): name.replace("/", ".") for name, m in root.named_modules()}
         self.units = [m for m in root.modules() if isinstance(m, FSDPModule)]
         self._seen: list[tuple[torch.Tensor, int, str]] = []
+        self._watching = False
+        """Whether a forward `watching` runs now (a recomputation in backward is not)."""
         for unit in self.units:
             name = names[id(unit)]
 
             def record(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                if torch.is_grad_enabled():
+                if self._watching and torch.is_grad_enabled():
                     self._seen += [(t, t._version, name) for t in tensors(output) if t._is_view()]
 
             unit.register_forward_hook(record)
@@ -74,9 +76,12 @@ class ViewWatch:
     @contextmanager
     def watching(self) -> Iterator[None]:
         """A forward whose units' views are recorded instead of warned about."""
-        self._seen = []
-        with quiet_view_warning(self.units):
-            yield
+        self._seen, self._watching = [], True
+        try:
+            with quiet_view_warning(self.units):
+                yield
+        finally:
+            self._watching = False
 
     def check(self) -> None:
         """Raise when a recorded view was changed in place since its unit returned it."""
