@@ -167,7 +167,10 @@ def test_choose_plan_ranks_every_plan_under_the_precision_asked_for() -> None:
     mixed = reports["bf16-mixed"]
     plans = [row.plan for row in mixed.rows] + [plan for plan, _ in mixed.infeasible]
     assert all(p.precision == "bf16-mixed" and p.reduce_dtype == "bf16" for p in plans)
-    assert mixed.rows[0].memory_source == "estimate"
+    # the first plan the estimate covers (parameter-server plans, which may rank first on a
+    # busy machine, it does not) reports the estimate's bytes
+    covered = next(row for row in mixed.rows if row.plan.sync != "ps")
+    assert covered.memory_source == "estimate"
     full = {_key(row.plan): row.prediction for row in reports["fp32"].rows}
     # each precision's own timings balance the layer split and name the slowest stage, whose
     # bytes a prediction reports: compare where both cut alike and name the same stage

@@ -13,7 +13,7 @@ from pathlib import Path
 SOURCE = Path(__file__).resolve().parent.parent / "src" / "meshsplit"
 LEVELS = {
     "plan": 0, "batch": 0, "phases": 0, "data": 0, "models": 0, "batchnorm": 0, "mesh": 0,
-    "gather": 0, "precision": 0, "plan_values": 0, "sharded_views": 0,
+    "gather": 0, "precision": 0, "plan_values": 0, "sharded_views": 0, "batchnorm_subclasses": 0,
     "job": 1,
     "tensor": 2, "pipeline": 2, "data_parallel": 2, "experts": 2, "memory": 2,
     "runtime": 3,
