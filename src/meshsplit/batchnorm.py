@@ -218,9 +218,23 @@ class BatchNorm(_BatchNorm):
         backward, so the result is bit for bit a plain BatchNorm's (a value an ulp from zero
         before a ReLU keeps its side: a float32 formula of our own flipped one on a random
         SE-ResNeXt and put a gradient 15% off); the running statistics still wait."""
-        if self.training and self.track_running_stats and not recomputing():
-            self._accumulate(*moments(input.detach(), None))
-        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if not (self.training and self.track_running_stats and not recomputing()):
+            return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        # the kernel's own mean and 1/σ feed the running statistics: a pass of var_mean over
+        # an NCHW input cost three times the normalisation (8.9 against 3.1 ms, 64x32x28x28)
+        if input.numel() <= input.size(1):  # as F.batch_norm checks
+            raise ValueError(
+                f"expected more than 1 value per channel when training, got input size "
+                f"{tuple(input.shape)}"
+            )
+        output, mean, invstd = torch.native_batch_norm(
+            input, self.weight, self.bias, None, None, True, 0.0, self.eps
+        )
+        with torch.no_grad():
+            count = input.new_tensor(float(input.numel() // input.size(1)), dtype=mean.dtype)
+            var = (invstd.pow(-2) - self.eps).clamp(min=0)
+            self._accumulate(count, mean, var * count)
+        return output
 
     @torch.no_grad()
     def _accumulate(self, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
