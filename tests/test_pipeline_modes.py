@@ -61,22 +61,15 @@ class CachesWhenEvaluating(nn.Module):
         return self.head(x)
 
 
-class Logits(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=ids).logits
-
-
 def _rwkv() -> nn.Module:
     import transformers
+
+    from hf_models import Wrap  # (imports transformers: only where it is installed)
 
     config = transformers.RwkvConfig(
         vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=DEPTH, intermediate_size=2 * DIM
     )
-    return Logits(transformers.RwkvForCausalLM(config))
+    return Wrap(transformers.RwkvForCausalLM(config))
 
 
 MODELS = {"stand-in": CachesWhenEvaluating, "rwkv": _rwkv}
