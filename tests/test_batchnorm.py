@@ -13,7 +13,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import meshsplit as ms
-from meshsplit.batchnorm import BatchNorm, commit_batchnorm, convert_batchnorm, describe_batchnorm
+from meshsplit.batchnorm import (
+    BatchNorm,
+    _combine,
+    commit_batchnorm,
+    convert_batchnorm,
+    describe_batchnorm,
+)
 from meshsplit.data_parallel.allreduce import GradientSync
 from meshsplit.gather import ALL_GATHER
 
@@ -52,15 +58,40 @@ def _mlp() -> nn.Module:
     )
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _cnn, "mlp": _mlp}
-NORMS = {"cnn": 2, "mlp": 3}
+def _dead_channels() -> nn.Module:
+    """Channels that a ReLU leaves at zero, shifted by a depthwise convolution's bias: each
+    is constant over the batch, so BatchNorm makes it its bias (zero) but for an ulp, which
+    side of the ReLU after it deciding whether that bias trains at all."""
+    torch.manual_seed(0)
+    first = nn.Conv2d(1, 6, 3)
+    depthwise = nn.Conv2d(6, 6, 1, groups=6)
+    with torch.no_grad():
+        first.weight[:4] = 0.0
+        first.bias[:4] = -1.0
+        depthwise.bias.copy_(torch.tensor([0.3, -0.7, 1.1, 0.013, 0.2, -0.1]))
+    # frozen: its gradient on a dead channel is rounding noise times 1/sqrt(eps)
+    depthwise.bias.requires_grad_(False)
+    return nn.Sequential(
+        first,
+        nn.ReLU(),
+        depthwise,
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, CLASSES),
+    )
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": _cnn, "mlp": _mlp, "dead": _dead_channels}
+NORMS = {"cnn": 2, "mlp": 3, "dead": 1}
 """BatchNorm layers per model (statistics all-gathers per micro-batch under dp)."""
 
 
 def _batches(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed global batches, off-centre so the mean matters, the same in every process."""
     g = torch.Generator().manual_seed(1)
-    shape = (ROWS, 1, 10, 10) if name == "cnn" else (ROWS, 12)
+    shape = {"cnn": (ROWS, 1, 10, 10), "dead": (ROWS, 1, 11, 11)}.get(name, (ROWS, 12))
     return [
         (2 * torch.randn(shape, generator=g) + 0.5, torch.randint(0, CLASSES, (ROWS,), generator=g))
         for _ in range(STEPS)
@@ -147,6 +178,7 @@ DP_CASES = [
     ("mlp", 1, False),
     ("cnn", 1, True),
     ("mlp", 2, True),
+    ("dead", 1, False),
 ]
 """(model, micro_batches, recompute) run in each dp launch."""
 
@@ -177,7 +209,7 @@ def _dp_cases(cases: list[tuple[str, int, bool]]) -> tuple[list[tuple], tuple]:
     return trained, _uneven(nn.Sequential(nn.BatchNorm1d(3)))
 
 
-@pytest.mark.parametrize(("dp", "cases"), [(2, DP_CASES), (4, DP_CASES[:2])])
+@pytest.mark.parametrize(("dp", "cases"), [(2, DP_CASES), (4, [*DP_CASES[:2], DP_CASES[-1]])])
 def test_dp_matches_one_process_on_the_global_batch(dp: int, cases: list) -> None:
     per_rank = ms.launch(_dp_cases, dp, args=(cases,))
     torch.manual_seed(0)
@@ -256,6 +288,21 @@ def test_one_replica_normalises_bit_for_bit_as_nn_batchnorm() -> None:
         assert torch.equal(inputs[1].grad, inputs[0].grad)
         for p, q in zip(plain.parameters(), ours.parameters(), strict=True):
             assert torch.equal(q.grad, p.grad)
+
+
+def test_replicas_with_equal_means_combine_to_that_mean_exactly() -> None:
+    """A channel constant on every replica (a dead ReLU channel shifted by a convolution's
+    bias) combines to exactly its value and no spread, so it normalises to the layer's bias;
+    a weighted sum of the means put it an ulp off, and x − μ, times 1/sqrt(eps), on either
+    side of the ReLU after it."""
+    value = torch.tensor([0.3, -0.7, 1.1, 0.013, 3.7, 1e-3])
+    for sizes in ([648.0, 648.0], [405.0, 243.0], [0.0, 81.0, 162.0, 81.0]):
+        counts = torch.tensor(sizes).view(-1, 1)
+        means = value.expand(len(sizes), -1) * (counts > 0)  # an empty replica sends zeros
+        count, mean, m2 = _combine(counts, means, torch.zeros_like(means))
+        assert count.item() == sum(sizes)
+        assert torch.equal(mean, value), sizes
+        assert torch.equal(m2, torch.zeros_like(value)), sizes
 
 
 def test_micro_batches_normalise_apart_and_update_running_stats_once() -> None:

@@ -103,5 +103,4 @@ def _batch_norm(
             unbiased = m2 / (count - 1).clamp(min=1)
             running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
-    invstd = torch.rsqrt(m2 / count + eps)
-    return Normalize.apply(input, mean, invstd, weight, bias, count, group)
+    return Normalize.apply(input, mean, m2 / count, eps, weight, bias, count, group)
