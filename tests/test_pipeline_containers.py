@@ -4,7 +4,10 @@ x-transformers keeps each layer as a ModuleList of (norms, attention or feed-for
 residual) that its `AttentionLayers.forward` walks itself: the blocks are never called, so
 the cuts follow the traced data flow between them. T5 runs an encoder and a decoder stack, the
 encoder's output crossing every cut after it. A stand-in with x-transformers' structure runs
-whether the library is installed or not. Each is trained 3 SGD steps under pp=2 and pp=4 and
+whether the library is installed or not. Two more keep the residual sum outside their blocks
+(zipped ModuleLists of norms and nn.MultiheadAttention; a ModuleDict called through
+torch.utils.checkpoint): a cut between those blocks would have to carry more than a block's
+input, so they are traced instead. Each is trained 3 SGD steps under pp=2 and pp=4 and
 must equal one process, with every rank holding a fair share of the weights.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import meshsplit as ms
 from meshsplit.pipeline.blocks import find_blocks
@@ -125,6 +129,53 @@ class TransformerWrapper(nn.Module):
         return self.to_logits(self.attn_layers(x))
 
 
+class OutsideResidual(nn.Module):
+    """Blocks that return only what they add: the forward keeps the running sum
+    (`h = h + attn(norm(h))`) over two ModuleLists it zips, so no cut between the blocks
+    carries the whole state as a block's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.norms = nn.ModuleList(nn.RMSNorm(DIM) for _ in range(DEPTH))
+        self.attns = nn.ModuleList(
+            nn.MultiheadAttention(DIM, HEADS, batch_first=True) for _ in range(DEPTH)
+        )
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)
+        for norm, attn in zip(self.norms, self.attns, strict=True):
+            y = norm(h)
+            h = h + attn(y, y, y, attn_mask=causal, need_weights=False)[0]
+        return self.head(h)
+
+
+class Checkpointed(nn.Module):
+    """A ModuleDict of feed-forward blocks called through torch.utils.checkpoint, the sum
+    kept outside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleDict(
+            {
+                f"b{k}": nn.Sequential(
+                    nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM)
+                )
+                for k in range(DEPTH)
+            }
+        )
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks.values():
+            h = h + checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
 def _x_transformers() -> nn.Module:
     from x_transformers import Decoder
     from x_transformers import TransformerWrapper as Library
@@ -140,7 +191,15 @@ def _t5() -> nn.Module:
     return MORE["t5"]()
 
 
-MODELS = {"stand-in": TransformerWrapper, "x-transformers": _x_transformers, "t5": _t5}
+MODELS = {
+    "stand-in": TransformerWrapper,
+    "x-transformers": _x_transformers,
+    "t5": _t5,
+    "outside-residual": OutsideResidual,
+    "checkpointed": Checkpointed,
+}
+SOURCES = {"t5": "blocks", "outside-residual": "export", "checkpointed": "fx"}
+"""How each is cut: between its blocks, or traced (by torch.export where fx cannot)."""
 LIBRARIES = {"x-transformers": "x_transformers", "t5": "transformers"}
 INSTALLED = [
     name
@@ -211,7 +270,7 @@ def test_every_stage_holds_a_fair_share(name: str, pp: int) -> None:
     cuts = find_cuts(model, _example(), ms.Plan(pp=pp), agree=list)
     shares = _shares(cuts, model)
     assert max(shares) <= FAIR / pp, f"{name} pp={pp} {cuts.source}: shares {shares}"
-    assert cuts.source.startswith("blocks" if name == "t5" else "export")
+    assert cuts.source.startswith(SOURCES.get(name, "export"))
 
 
 def test_x_transformers_is_cut_between_its_layers() -> None:

@@ -187,22 +187,25 @@ def test_a_header_carries_complex_tensors_and_names_a_dtype_it_cannot() -> None:
 
 
 class Patches(nn.Module):
-    """Returns the patches and the grid's height, as PVT's patch embeddings do."""
+    """Returns the patches and the grid's height, as PVT's patch embeddings do: by a floor
+    division of a shape, or by a shift (an operation on numbers the tracer's copies do not
+    recompute, standing for any value that is no tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shift: bool) -> None:
         super().__init__()
         self.proj = nn.Linear(4, 16)
+        self.shift = shift
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return self.proj(x), x.shape[1] // 2
+        return self.proj(x), (x.shape[1] >> 1) if self.shift else x.shape[1] // 2
 
 
 class GridModel(nn.Module):
     """A height (an int) made by the first child and read two children later."""
 
-    def __init__(self) -> None:
+    def __init__(self, shift: bool = True) -> None:
         super().__init__()
-        self.patches = Patches()
+        self.patches = Patches(shift)
         self.mix = nn.Linear(16, 16)
         self.fold = nn.Linear(16, 16)
         self.head = nn.Linear(16, 3)
@@ -214,9 +217,9 @@ class GridModel(nn.Module):
         return self.head(h.mean(1).reshape(h.shape[0], -1, 16).mean(1))
 
 
-def _grid_losses(plan: ms.Plan | None) -> list[float]:
+def _grid_losses(plan: ms.Plan | None, shift: bool = True) -> list[float]:
     torch.manual_seed(0)
-    model = GridModel()
+    model = GridModel(shift)
     x, y = torch.randn(8, 6, 4), torch.randint(0, 3, (8,))
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     if plan is None:
@@ -238,3 +241,18 @@ def test_a_value_that_is_no_tensor_keeps_its_maker_and_readers_in_one_layer() ->
     per_rank = ms.launch(_grid_losses, 2, args=(ms.Plan(pp=2, micro_batches=2),))
     for losses in per_rank:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(_grid_losses(None)))
+
+
+def test_a_number_made_from_a_shape_is_recomputed_where_it_is_read() -> None:
+    """Arithmetic over shapes (the height as a floor division; torch.export's batch x heads
+    inside nn.MultiheadAttention) is made again by each reader instead of crossing a cut, so
+    the model splits between every child."""
+    from meshsplit.pipeline.cuts import find_cuts
+
+    x = torch.randn(4, 6, 4)
+    model = GridModel(shift=False)
+    cuts = find_cuts(model, x, ms.Plan(pp=2, micro_batches=1), lambda costs: costs)
+    assert cuts.names == ("patches", "mix", "fold", "head")
+    per_rank = ms.launch(_grid_losses, 2, args=(ms.Plan(pp=2, micro_batches=2), False))
+    for losses in per_rank:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_grid_losses(None, False)))

@@ -174,11 +174,53 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
     blocks_error: PlanError | None = None
     if plan.split_points is not None or has_nested_blocks(model):
         try:
-            return _from_blocks(model, example, plan, agree)
+            cuts = _from_blocks(model, example, plan, agree)
         except PlanError as error:
             if plan.split_points is not None:
                 raise
             blocks_error = error
+        else:
+            if plan.stages is not None or plan.split_points is not None:
+                return cuts
+            return _better_balanced(cuts, model, example, plan, agree)
+    return _traced(model, example, plan, agree, blocks_error)
+
+
+_TRY_TRACING_ABOVE = 1.5
+"""A block split whose largest chunk holds over this multiple of an even share of the
+weights is compared with the traced one: a forward that adds each block's output to a running
+sum outside the block (`h = h + block(norm(h))` in a loop) lets a cut fall only where nothing
+but the block's input crosses, often nowhere but before the head. Weights, not measured time:
+the choice must not flip with the machine's noise from one run to the next."""
+
+
+def _better_balanced(cuts: Cuts, model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
+    """`cuts` from the blocks, or the traced cuts where those spread the weights clearly more
+    evenly (every rank decides alike: the same model, the same agreed costs)."""
+    if _imbalance(cuts) <= _TRY_TRACING_ABOVE:
+        return cuts
+    try:
+        traced = _traced(model, example, plan, agree, None)
+    except Exception:  # noqa: BLE001 - the same on every rank; the block cuts stand
+        return cuts
+    return traced if _imbalance(traced) < 0.8 * _imbalance(cuts) else cuts
+
+
+def _imbalance(cuts: Cuts) -> float:
+    """The largest chunk's weights over an even share of them (1.0: perfectly even)."""
+    starts = cuts.starts
+    held = [
+        sum(c.parameter_bytes for c in cuts.costs[starts[k] : starts[k + 1]])
+        for k in range(len(cuts.sizes))
+    ]
+    return max(held) * len(held) / max(sum(held), 1)
+
+
+def _traced(
+    model: nn.Module, example: Any, plan: Plan, agree: Agree, blocks_error: PlanError | None
+) -> Cuts:
+    """Cut the model's traced layers (`frontend.py`); `blocks_error` says why the blocks
+    could not be cut, if they were tried."""
     inside: frozenset[str] = frozenset()  # values that are no tensor: kept in one layer
     while True:
         try:

@@ -45,19 +45,42 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def copied(node: fx.Node) -> bool:
-    """Nodes each reader recomputes instead of receiving: parameter reads and shape reads.
+    """Nodes each reader recomputes instead of receiving: parameter reads, shape reads and
+    arithmetic over shapes.
 
     A shape is a Python int, not a tensor, so it cannot travel between stages; reading it
-    again where it is needed costs nothing.
+    again where it is needed costs nothing. torch.export also shares shape arithmetic between
+    blocks (nn.MultiheadAttention's batch x heads, made once and read by every later block),
+    which would otherwise tie all those blocks into one layer.
     """
     if node.op == "get_attr":
         return True
+    return _shape(node) or (
+        node.op == "call_function"
+        and node.target in _NUMBER_OPS
+        and all(_shape(a) for a in node.args if isinstance(a, fx.Node))
+    )
+
+
+_NUMBER_OPS = frozenset(
+    (operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+     operator.mod, operator.neg, operator.pow)
+)  # fmt: skip
+"""Python arithmetic: over shapes and constants only, a number (over a tensor, a tensor)."""
+
+
+def _shape(node: fx.Node) -> bool:
+    """A shape, a dimension of one, or arithmetic over them and constants."""
     if node.op == "call_method":
         return node.target == "size"
     return node.op == "call_function" and (
         node.target is torch.ops.aten.sym_size.int
         or (node.target is getattr and node.args[1:] == ("shape",))
-        or (node.target is operator.getitem and copied(node.args[0]))  # type: ignore[arg-type]
+        or (node.target is operator.getitem and _shape(node.args[0]))  # type: ignore[arg-type]
+        or (
+            node.target in _NUMBER_OPS
+            and all(_shape(a) for a in node.args if isinstance(a, fx.Node))
+        )
     )
 
 
