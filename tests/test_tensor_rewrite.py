@@ -125,3 +125,18 @@ def test_a_pair_the_forward_runs_without_grad_is_still_split() -> None:
         "up": "column",
         "down": "row",
     }
+
+
+def test_a_layer_kept_whole_says_what_it_is_and_why() -> None:
+    """describe() names the layer's class and why it stays whole, not a generic 'norm'."""
+    model = nn.Sequential(
+        nn.LSTM(8, 8, batch_first=True),
+        nn.MultiheadAttention(8, 2, batch_first=True),
+        nn.LayerNorm(8),
+        nn.ConvTranspose2d(4, 4, 2),
+    )
+    reasons = {d.name: d.reason for d in plan_splits(model, 2)}
+    assert reasons["0"] == "LSTM has no operator split: kept whole on every tp rank"
+    assert reasons["1"].startswith("nn.MultiheadAttention kept whole on every tp rank")
+    assert reasons["2"] == "norm kept whole (one weight per feature)"
+    assert reasons["3"] == "ConvTranspose2d has no operator split: kept whole on every tp rank"

@@ -225,7 +225,20 @@ def _kept_whole(module: nn.Module) -> str:
             "rank (experts with one matrix each split when an example proves a split of each "
             "expert's inner width)"
         )
-    return "norm or other layer kept whole"
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            "nn.MultiheadAttention kept whole on every tp rank: its q|k|v weight is one tensor "
+            "that F.multi_head_attention_forward reads whole (attention modules with Linear "
+            "q, k, v, out children and n_heads split by heads)"
+        )
+    if isinstance(module, _NORMS):
+        return "norm kept whole (one weight per feature)"
+    return f"{type(module).__name__} has no operator split: kept whole on every tp rank"
+
+
+_NORMS = (
+    nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm
+)  # fmt: skip
 
 
 def features(module: Any) -> tuple[int, int]:
