@@ -48,11 +48,14 @@ every other property (shape, dtype, device, grad_fn...) describes it."""
 
 def outside_reads(model: nn.Module, example: Any, layers: Mapping[str, nn.Module]) -> set[str]:
     """One forward of `example` (no grad, eval mode): the names of `layers` whose parameter
-    some op read while no module holding that parameter itself was running."""
+    some op read while neither a module holding that parameter itself nor the layer holding
+    it was running (nn.MultiheadAttention's forward reads its out_proj's weight: inside the
+    layer, which splits as a whole)."""
     owners: dict[int, list[str]] = {}
     for name, layer in layers.items():
         for param in layer.parameters():
             owners.setdefault(id(param), []).append(name)
+    layer_names = {id(layer): name for name, layer in layers.items()}
     running: list[nn.Module] = []
     outside: set[str] = set()
 
@@ -66,7 +69,9 @@ def outside_reads(model: nn.Module, example: Any, layers: Mapping[str, nn.Module
     def read(values: Any) -> None:
         for value in values:
             known = isinstance(value, nn.Parameter) and id(value) in owners
-            if known and not any(_holds(m, value) for m in running):
+            if known and not any(
+                _holds(m, value) or layer_names.get(id(m)) in owners[id(value)] for m in running
+            ):
                 outside.update(owners[id(value)])
 
     training = model.training

@@ -35,6 +35,7 @@ from meshsplit.tensor.layers import (
     VocabParallelEmbedding,
     tp_group,
 )
+from meshsplit.tensor.multihead import split_multihead
 from meshsplit.tensor.reads import outside_reads
 from meshsplit.tensor.twins import twin_pairs
 from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
@@ -280,6 +281,8 @@ def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGrou
     if decision.split == "experts":
         return split_experts_module(module, dict(decision.layouts), group)
     if decision.split == "heads":
+        if isinstance(module, nn.MultiheadAttention):
+            return split_multihead(module, group)
         return split_heads(module, group)
     if decision.split == "vocab":
         return VocabParallelEmbedding.from_module(module, group)  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """The layers an operator split can act on, found by walking the model once.
 
 A *unit* is a layer meshsplit has a parallel form for: Linear, Hugging Face Conv1D, Conv2d,
-Embedding, or an attention module (Linear children q, k, v, out and an int `n_heads`). A
+Embedding, or an attention module (Linear children q, k, v, out and an int `n_heads`; torch's
+nn.MultiheadAttention). A
 subclass that brings its own forward (OPT's learned positional embedding offsets its ids) is
 not a unit: a parallel layer would drop that behaviour, so it is kept whole; unless it holds
 only the base's tensors and gives the base's output on a probe (Falcon's `FalconLinear`
@@ -27,6 +28,7 @@ from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import HeadParallelAttention
 from meshsplit.tensor.conv1d import is_conv1d
 from meshsplit.tensor.layers import embedding_scale
+from meshsplit.tensor.multihead import multihead_refusal
 from meshsplit.tensor.shards import ParallelLayer
 
 __all__: list[str] = []
@@ -116,6 +118,10 @@ class Unit:
 
 
 def is_attention(module: nn.Module) -> bool:
+    """An attention module that splits by heads: Linear children q, k, v, out and an int
+    `n_heads`, or torch's nn.MultiheadAttention in the forms `multihead.py` runs."""
+    if isinstance(module, nn.MultiheadAttention):
+        return multihead_refusal(module) is None
     children = dict(module.named_children())
     return isinstance(getattr(module, "n_heads", None), int) and all(
         isinstance(children.get(name), nn.Linear) for name in ("q", "k", "v", "out")
@@ -218,18 +224,14 @@ def _kept_whole(module: nn.Module) -> str:
             f"Conv2d with groups={module.groups}, padding_mode={module.padding_mode!r} kept "
             "whole: only plain convolutions split by channels"
         )
+    if isinstance(module, nn.MultiheadAttention):
+        return multihead_refusal(module) or "nn.MultiheadAttention kept whole"
     shapes = [tuple(p.shape) for p in module.parameters(recurse=False) if p.dim() == 3]
     if shapes:
         return (
             f"{type(module).__name__} holds a 3-D weight {shapes[0]}: kept whole on every tp "
             "rank (experts with one matrix each split when an example proves a split of each "
             "expert's inner width)"
-        )
-    if isinstance(module, nn.MultiheadAttention):
-        return (
-            "nn.MultiheadAttention kept whole on every tp rank: its q|k|v weight is one tensor "
-            "that F.multi_head_attention_forward reads whole (attention modules with Linear "
-            "q, k, v, out children and n_heads split by heads)"
         )
     if isinstance(module, _NORMS):
         return "norm kept whole (one weight per feature)"
@@ -260,8 +262,15 @@ def describe(module: nn.Module) -> str:
     if isinstance(module, nn.Embedding):
         return f"Embedding({module.num_embeddings}x{module.embedding_dim})"
     if is_attention(module):
-        return f"{type(module).__name__}({module.n_heads} heads)"
+        return f"{type(module).__name__}({_heads(module)[1]} heads)"
     return type(module).__name__
+
+
+def _heads(module: Any) -> tuple[str, int]:
+    """The attribute holding an attention module's head count, and the count."""
+    if isinstance(module, nn.MultiheadAttention):
+        return "num_heads", module.num_heads
+    return "n_heads", module.n_heads
 
 
 def split_sizes(unit: Unit) -> dict[str, tuple[str, int]]:
@@ -274,7 +283,7 @@ def split_sizes(unit: Unit) -> dict[str, tuple[str, int]]:
         return {"column": ("out_channels", m.out_channels), "row": ("in_channels", m.in_channels)}
     if unit.kind == "embedding":
         return {"vocab": ("num_embeddings", m.num_embeddings)}
-    return {"heads": ("n_heads", m.n_heads)}
+    return {"heads": _heads(m)}
 
 
 def replicated(name: str, module: nn.Module, why: str) -> Decision:
