@@ -344,3 +344,20 @@ def test_containers_match_one_process_with_a_fair_share_on_every_rank(pp: int) -
                 )  # fmt: skip
             share = got["held"] / whole
             assert share <= FAIR / pp, f"{where} holds {share:.0%} of the weights"
+
+
+def _stand_in_under_pp_and_tp() -> None:
+    engine = ms.parallelize(
+        _build("stand-in"),
+        ms.Plan(pp=2, tp=2, micro_batches=2),
+        optimizer=_sgd,
+        loss_fn=ms.models.TokenCrossEntropy(),
+    )
+    engine.train_step(*_batches()[0])
+
+
+def test_exported_layers_that_cannot_run_alone_are_refused_before_any_step() -> None:
+    """torch.export's layers of the tp-split stand-in keep a graph between runs: the layer
+    split refuses the plan with a PlanError and the fix, instead of failing inside autograd."""
+    with pytest.raises(ms.WorkerError, match=r"PlanError: layer .* cannot run and differentiate"):
+        ms.launch(_stand_in_under_pp_and_tp, 4, timeout_s=120)

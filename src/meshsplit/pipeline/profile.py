@@ -53,14 +53,14 @@ def profile_layers(graph: LayerGraph, example: torch.Tensor, repeats: int = 5) -
         runs = []
         for layer in graph.layers:  # warm-up sweep: also makes every layer's real inputs
             args = [_leaf(values[name], trainable=name != graph.input) for name in layer.inputs]
-            _, _, outputs = _time_once(layer, args)
+            _, _, outputs = _timed(layer, args)
             values.update(_checked(layer, outputs))
             runs.append(args)
         forward: list[list[float]] = [[] for _ in graph.layers]
         backward: list[list[float]] = [[] for _ in graph.layers]
         for _ in range(repeats):
             for index, (layer, args) in enumerate(zip(graph.layers, runs, strict=True)):
-                f, b, _ = _time_once(layer, args)
+                f, b, _ = _timed(layer, args)
                 forward[index].append(f)
                 backward[index].append(b)
     finally:
@@ -81,6 +81,20 @@ def profile_layers(graph: LayerGraph, example: torch.Tensor, repeats: int = 5) -
         )
         for index, layer in enumerate(graph.layers)
     ]
+
+
+def _timed(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, ...]]:
+    """`_time_once`, with a layer that cannot run and differentiate alone refused before any
+    step (torch.export's layers of a tp-split model can keep a graph from one run to the
+    next)."""
+    try:
+        return _time_once(layer, args)
+    except RuntimeError as error:
+        raise PlanError(
+            f"layer {layer.name!r} of the traced model cannot run and differentiate on its own "
+            f"({str(error).splitlines()[0][:160]}); mark the cuts with "
+            "meshsplit.pipeline.split_point(x) in forward, or use a plan without pp"
+        ) from error
 
 
 def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, ...]]:
