@@ -19,6 +19,12 @@ from reference import ATOL, RTOL
 
 def _pair(first: nn.Module, second: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     """first as column (output left split), second as row (input taken split)."""
+    if isinstance(second, nn.ConvTranspose2d):
+        return nn.Sequential(
+            tensor.ColumnParallelConv2d.from_module(first, group),
+            nn.ReLU(),
+            tensor.RowParallelConvTranspose2d.from_module(second, group),
+        )
     if isinstance(first, nn.Conv2d):
         return nn.Sequential(
             tensor.ColumnParallelConv2d.from_module(first, group),
@@ -73,6 +79,26 @@ def _cases() -> dict[str, Callable[[], Case]]:
         plain = nn.Sequential(nn.Conv2d(2, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
         return plain, torch.randn(2, 2, 8, 8), lambda m, g: _pair(m[0], m[2], g)
 
+    def column_conv_transpose() -> Case:
+        return (
+            nn.ConvTranspose2d(3, 8, 4, stride=2, padding=1),
+            torch.randn(2, 3, 5, 5),
+            lambda m, g: tensor.ColumnParallelConvTranspose2d.from_module(m, g, gather_output=True),
+        )
+
+    def row_conv_transpose() -> Case:
+        return (
+            nn.ConvTranspose2d(8, 5, 3, stride=2, output_padding=1, dilation=2),
+            torch.randn(2, 8, 4, 4),
+            lambda m, g: tensor.RowParallelConvTranspose2d.from_module(m, g, scatter_input=True),
+        )
+
+    def conv_then_transpose() -> Case:
+        plain = nn.Sequential(
+            nn.Conv2d(2, 8, 3, stride=2), nn.ReLU(), nn.ConvTranspose2d(8, 3, 2, 2)
+        )
+        return plain, torch.randn(2, 2, 9, 9), lambda m, g: _pair(m[0], m[2], g)
+
     def vocab_embedding() -> Case:
         return (
             nn.Embedding(16, 6),
@@ -90,6 +116,9 @@ def _cases() -> dict[str, Callable[[], Case]]:
         "column_conv": column_conv,
         "row_conv": row_conv,
         "conv_pair": conv_pair,
+        "column_conv_transpose": column_conv_transpose,
+        "row_conv_transpose": row_conv_transpose,
+        "conv_then_transpose": conv_then_transpose,
         "vocab_embedding": vocab_embedding,
         "head_attention": head_attention,
     }
@@ -121,8 +150,9 @@ def _check_layers() -> dict[str, str]:
         dims = tensor.shard_dims(split_module)
         try:
             assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
-            if isinstance(plain, nn.Conv2d):  # code outside reads it (MobileNetV2's TF padding)
+            if isinstance(plain, nn.Conv2d | nn.ConvTranspose2d):  # code outside reads them
                 geometry = ("stride", "padding", "dilation", "kernel_size", "groups")
+                geometry += ("in_channels", "out_channels")
                 for attribute in geometry:
                     mine, theirs = getattr(split_module, attribute), getattr(plain, attribute)
                     assert mine == theirs, f"{attribute}: {mine} != {theirs}"

@@ -12,7 +12,14 @@ import torch.fx
 import meshsplit as ms
 from meshsplit import tensor
 
-from reference import assert_matches, batches, build, train_parallel, train_single
+from reference import (
+    assert_matches,
+    batches,
+    build,
+    train_parallel,
+    train_plainly,
+    train_single,
+)
 
 # The CNN trains with SGD: its channel-split conv sums partial maps in another order than one
 # conv does, and Adam's 1/sqrt(v) turns that ~1e-7 noise on near-zero gradients into ~2e-6.
@@ -112,3 +119,42 @@ def test_symbolic_trace_keeps_collectives_as_single_calls() -> None:
     # one copy per attention (attention.py) and per column layer (layers.py): 2 blocks + head
     assert result["wrapped_calls"].count("enter_copy") == 2 * 2 + 1
     assert result["wrapped_calls"].count("leave_gather") == 1
+
+
+def _autoencoder() -> torch.nn.Module:
+    """Conv2d down, ConvTranspose2d up (an autoencoder's decoder, a GAN's generator)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(16, 16, 4, stride=2, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose2d(16, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 28 * 28, 10),
+    )
+
+
+def _train_autoencoder(plan: ms.Plan | None) -> tuple[list[float], dict, float]:
+    model = _autoencoder()
+    steps = batches("cnn", 8, 3)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    if plan is None:
+        loss_fn = torch.nn.CrossEntropyLoss()
+        return (*train_plainly(model, sgd(model.parameters()), loss_fn, steps), 1.0)
+    whole = sum(p.numel() for p in model.parameters())
+    engine = ms.parallelize(model, plan, optimizer=sgd, loss_fn=torch.nn.CrossEntropyLoss())
+    losses = [engine.train_step(x, y) for x, y in steps]
+    held = sum(p.numel() for p in engine.module.parameters()) / whole
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state, held
+
+
+def test_transposed_convolutions_split_by_channels() -> None:
+    per_rank = ms.launch(_train_autoencoder, 2, args=(ms.Plan(tp=2),))
+    losses, state, _ = _train_autoencoder(None)
+    assert_matches([(r[0], r[1]) for r in per_rank], (losses, state))
+    assert all(r[2] < 0.55 for r in per_rank), [r[2] for r in per_rank]

@@ -140,4 +140,4 @@ def test_a_layer_kept_whole_says_what_it_is_and_why() -> None:
     assert reasons["0"] == "LSTM has no operator split: kept whole on every tp rank"
     assert decided["1"].split == "heads"  # torch's attention splits by heads
     assert reasons["2"] == "norm kept whole (one weight per feature)"
-    assert reasons["3"] == "ConvTranspose2d has no operator split: kept whole on every tp rank"
+    assert decided["3"].split == "column"  # a lone transposed convolution, gathered

@@ -10,6 +10,10 @@ from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D
 from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
+from meshsplit.tensor.conv_transpose import (
+    ColumnParallelConvTranspose2d,
+    RowParallelConvTranspose2d,
+)
 from meshsplit.tensor.gradient_sum import TpGradientSum
 from meshsplit.tensor.layers import (
     ColumnParallelLinear,
@@ -30,12 +34,14 @@ from meshsplit.tensor.shards import (
 __all__ = [
     "ColumnParallelConv1D",
     "ColumnParallelConv2d",
+    "ColumnParallelConvTranspose2d",
     "ColumnParallelLinear",
     "Decision",
     "HeadParallelAttention",
     "ParallelLayer",
     "RowParallelConv1D",
     "RowParallelConv2d",
+    "RowParallelConvTranspose2d",
     "RowParallelLinear",
     "TpGradientSum",
     "VocabParallelEmbedding",

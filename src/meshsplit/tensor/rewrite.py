@@ -24,6 +24,10 @@ from meshsplit.tensor.attention import split_heads
 from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
 from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
+from meshsplit.tensor.conv_transpose import (
+    ColumnParallelConvTranspose2d,
+    RowParallelConvTranspose2d,
+)
 from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
 from meshsplit.tensor.experts import experts_decisions, split_experts_module
 from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
@@ -297,6 +301,10 @@ def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGrou
         if decision.split == "column":
             return ColumnParallelConv2d.from_module(module, group, gather_output=gather)
         return RowParallelConv2d.from_module(module, group, scatter_input=scatter)
+    if isinstance(module, nn.ConvTranspose2d):
+        if decision.split == "column":
+            return ColumnParallelConvTranspose2d.from_module(module, group, gather_output=gather)
+        return RowParallelConvTranspose2d.from_module(module, group, scatter_input=scatter)
     if decision.split == "column":
         return ColumnParallelLinear.from_module(
             module,  # type: ignore[arg-type]

@@ -52,6 +52,7 @@ BASES: dict[type[nn.Module], str] = {
     nn.Linear: "out_features",
     nn.Embedding: "num_embeddings",
     nn.Conv2d: "out_channels",
+    nn.ConvTranspose2d: "out_channels",
 }
 """Classes whose own forward a parallel layer reproduces (a subclass must not override it),
 each with the attribute that gives its weight's first dimension."""
@@ -155,7 +156,7 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     probe = torch.Generator(device=device).manual_seed(0)
     if isinstance(module, nn.Embedding):
         x = torch.randint(0, module.num_embeddings, (2, 3), generator=probe, device=device)
-    elif isinstance(module, nn.Conv2d):
+    elif isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
         size = (1, module.in_channels, *(2 * k + 1 for k in module.kernel_size))
         x = torch.randn(size, generator=probe, device=device, dtype=dtype)
     else:
@@ -210,7 +211,8 @@ def kind_of(module: nn.Module) -> str | None:
         return "attention"
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return "linear"
-    if isinstance(module, nn.Conv2d) and module.groups == 1 and module.padding_mode == "zeros":
+    convolution = isinstance(module, nn.Conv2d | nn.ConvTranspose2d)
+    if convolution and module.groups == 1 and module.padding_mode == "zeros":
         return "conv"
     if isinstance(module, nn.Embedding) and not (module.max_norm is not None or module.sparse):
         return "embedding"
@@ -219,10 +221,11 @@ def kind_of(module: nn.Module) -> str | None:
 
 def _kept_whole(module: nn.Module) -> str:
     """Why a layer with parameters of its own stays whole on every tp rank."""
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
         return (
-            f"Conv2d with groups={module.groups}, padding_mode={module.padding_mode!r} kept "
-            "whole: only plain convolutions split by channels"
+            f"{type(module).__name__} with groups={module.groups}, "
+            f"padding_mode={module.padding_mode!r} kept whole: only plain convolutions split "
+            "by channels"
         )
     if isinstance(module, nn.MultiheadAttention):
         return multihead_refusal(module) or "nn.MultiheadAttention kept whole"
@@ -256,9 +259,10 @@ def describe(module: nn.Module) -> str:
         return f"Conv1D({n_in}->{out})"
     if isinstance(module, nn.Linear):
         return f"Linear({module.in_features}->{module.out_features})"
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
         kh, kw = module.kernel_size
-        return f"Conv2d({module.in_channels}->{module.out_channels}, {kh}x{kw})"
+        kind = type(module).__name__
+        return f"{kind}({module.in_channels}->{module.out_channels}, {kh}x{kw})"
     if isinstance(module, nn.Embedding):
         return f"Embedding({module.num_embeddings}x{module.embedding_dim})"
     if is_attention(module):
