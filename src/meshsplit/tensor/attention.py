@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.mesh import Mesh
-from meshsplit.plan import PlanError
 from meshsplit.tensor import layers
 
 __all__ = ["HeadParallelAttention", "split_heads"]
@@ -55,12 +54,7 @@ def split_heads(attention: Any, mesh_or_group: Mesh | dist.ProcessGroup) -> nn.M
     """
     group = layers.tp_group(mesh_or_group)
     tp = dist.get_world_size(group)
-    if attention.n_heads % tp:
-        working = [d for d in range(1, attention.n_heads + 1) if attention.n_heads % d == 0]
-        raise PlanError(
-            f"tp={tp} does not divide {type(attention).__name__} n_heads={attention.n_heads}; "
-            f"use tp in {{{', '.join(map(str, working))}}}"
-        )
+    layers.check_heads(tp, attention.n_heads, f"{type(attention).__name__} n_heads")
     for name in ("q", "k", "v"):
         projection = layers.ColumnParallelLinear.from_module(
             getattr(attention, name), group, copy_input=False

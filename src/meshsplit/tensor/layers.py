@@ -105,6 +105,15 @@ def shard_param(
     return nn.Parameter(piece, requires_grad=tensor.requires_grad)
 
 
+def check_heads(tp: int, heads: int, what: str) -> None:
+    """Refuse a split by heads that tp does not divide, naming the tp values that do."""
+    if heads % tp:
+        working = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise PlanError(
+            f"tp={tp} does not divide {what}={heads}; use tp in {{{', '.join(map(str, working))}}}"
+        )
+
+
 def check_fused_output(parts: int, gather_output: bool) -> None:
     """A fused column's gathered output would interleave the parts' blocks: refuse it."""
     if parts > 1 and gather_output:

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshsplit.plan import PlanError
 from meshsplit.tensor import layers
 from meshsplit.tensor.shards import ParallelLayer
 
@@ -146,13 +145,9 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def split_multihead(module: nn.MultiheadAttention, group: dist.ProcessGroup) -> nn.Module:
     """Split `module` by heads over the tp `group`, in place (see the module doc)."""
-    tp = dist.get_world_size(group)
-    if module.num_heads % tp:
-        working = [d for d in range(1, module.num_heads + 1) if module.num_heads % d == 0]
-        raise PlanError(
-            f"tp={tp} does not divide nn.MultiheadAttention num_heads={module.num_heads}; "
-            f"use tp in {{{', '.join(map(str, working))}}}"
-        )
+    layers.check_heads(
+        dist.get_world_size(group), module.num_heads, "nn.MultiheadAttention num_heads"
+    )
     shard: dict[str, Any] = {"group": group, "layer": module, "what": "embed_dim", "parts": 3}
     module.in_proj_weight = layers.shard_param(module.in_proj_weight, 0, **shard)
     if module.in_proj_bias is not None:
