@@ -141,3 +141,20 @@ def test_a_layer_kept_whole_says_what_it_is_and_why() -> None:
     assert decided["1"].split == "heads"  # torch's attention splits by heads
     assert reasons["2"] == "norm kept whole (one weight per feature)"
     assert decided["3"].split == "column"  # a lone transposed convolution, gathered
+
+
+class _DoubledTranspose(nn.ConvTranspose2d):
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        return super().forward(x, output_size) * 2
+
+
+def test_transposed_convolutions_pair_and_one_with_its_own_forward_stays_whole() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3),
+        nn.ReLU(),
+        nn.ConvTranspose2d(8, 8, 2, stride=2),
+        _DoubledTranspose(8, 4, 2, stride=2),
+    )
+    decided = {d.name: d for d in plan_splits(model, 2)}
+    assert decided["0"].split == "column" and decided["2"].split == "row"
+    assert decided["3"].reason == "own forward: _DoubledTranspose kept whole"

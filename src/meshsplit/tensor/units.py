@@ -52,7 +52,6 @@ BASES: dict[type[nn.Module], str] = {
     nn.Linear: "out_features",
     nn.Embedding: "num_embeddings",
     nn.Conv2d: "out_channels",
-    nn.ConvTranspose2d: "out_channels",
 }
 """Classes whose own forward a parallel layer reproduces (a subclass must not override it),
 each with the attribute that gives its weight's first dimension."""
@@ -134,6 +133,9 @@ def own_forward(module: nn.Module) -> str | None:
     for base in BASES:
         if isinstance(module, base) and type(module).forward is not base.forward:
             return None if _same_as_base(module, base) else type(module).__name__
+    transposed = isinstance(module, nn.ConvTranspose2d)
+    if transposed and type(module).forward is not nn.ConvTranspose2d.forward:
+        return type(module).__name__  # not probed: kept whole
     return None
 
 
@@ -156,7 +158,7 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     probe = torch.Generator(device=device).manual_seed(0)
     if isinstance(module, nn.Embedding):
         x = torch.randint(0, module.num_embeddings, (2, 3), generator=probe, device=device)
-    elif isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
+    elif isinstance(module, nn.Conv2d):
         size = (1, module.in_channels, *(2 * k + 1 for k in module.kernel_size))
         x = torch.randn(size, generator=probe, device=device, dtype=dtype)
     else:
