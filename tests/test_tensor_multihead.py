@@ -169,3 +169,33 @@ def test_what_stays_whole_says_why() -> None:
     assert decided["2"].split == "heads"
     with pytest.raises(ms.PlanError, match=r"num_heads=4; use tp in \{1, 2, 4\}"):
         plan_splits(nn.Sequential(nn.MultiheadAttention(DIM, HEADS)), 3)
+
+
+class _Encoder(nn.Module):
+    """Two of torch's encoder layers, causal; eval mode would take torch's fused path in
+    every layer without hooks on it."""
+
+    def __init__(self, bias_kv: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(DIM, HEADS, 2 * DIM, dropout=0.0, batch_first=True)
+        if bias_kv:  # an attention that stays whole
+            layer.self_attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True, add_bias_kv=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.encoder(x, mask=causal, is_causal=True)
+
+
+@pytest.mark.parametrize("bias_kv", [False, True])
+def test_every_encoder_layer_pairs_its_feed_forward(bias_kv: bool) -> None:
+    """The pair search compares forwards hooked in different places: torch's fused inference
+    path, taken only by layers without hooks, must not make them differ."""
+    torch.manual_seed(0)
+    decided = {
+        d.name: d.split for d in plan_splits(_Encoder(bias_kv), 2, example=torch.randn(2, SEQ, DIM))
+    }
+    for k in range(2):
+        assert decided[f"encoder.layers.{k}.linear1"] == "column", decided
+        assert decided[f"encoder.layers.{k}.linear2"] == "row", decided
+    assert torch.backends.mha.get_fastpath_enabled()  # left as it was

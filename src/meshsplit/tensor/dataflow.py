@@ -107,13 +107,18 @@ def noise_added(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> to
 @contextmanager
 def quietly(model: nn.Module) -> Iterator[None]:
     """Forwards to look at, not to train: eval mode (no dropout) and no autograd, the
-    model's mode as it was after."""
+    model's mode as it was after. torch's fused transformer inference path is off: it runs
+    only in a layer with no hooks on it, so a forward hooked in one place and one hooked in
+    another would differ in their last bits, and no pair would pass the comparison."""
     training = model.training
+    fastpath = torch.backends.mha.get_fastpath_enabled()
     model.eval()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         with torch.no_grad():
             yield
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
         model.train(training)
 
 
