@@ -199,3 +199,24 @@ def test_every_encoder_layer_pairs_its_feed_forward(bias_kv: bool) -> None:
         assert decided[f"encoder.layers.{k}.linear1"] == "column", decided
         assert decided[f"encoder.layers.{k}.linear2"] == "row", decided
     assert torch.backends.mha.get_fastpath_enabled()  # left as it was
+
+
+def _copies_into_tp(batch_first: bool) -> int:
+    """How many input copies into the tp region one self-attention call makes."""
+    from unittest import mock
+
+    from meshsplit.tensor import layers
+
+    torch.manual_seed(0)
+    attention = nn.Sequential(nn.MultiheadAttention(DIM, HEADS, batch_first=batch_first))
+    ms.tensor.parallelize(attention, torch.distributed.group.WORLD)
+    x = torch.randn(2, SEQ, DIM)
+    with mock.patch.object(layers, "enter_copy", wraps=layers.enter_copy) as copies:
+        attention[0](x, x, x)
+    return copies.call_count
+
+
+def test_self_attention_enters_the_tp_region_once_in_either_layout() -> None:
+    """One copy of the shared input: one all-reduce of its gradient, not three."""
+    for batch_first in (True, False):
+        assert ms.launch(_copies_into_tp, 2, args=(batch_first,)) == [1, 1]

@@ -64,14 +64,13 @@ class HeadParallelMultiheadAttention(nn.MultiheadAttention, ParallelLayer):
                 "Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention)"
             )
         batched = query.dim() == 3
-        inputs = [query, key, value]
-        if not batched:  # (L, E): one sequence
-            inputs = [t.unsqueeze(0) for t in inputs]
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        elif not self.batch_first:
-            inputs = [t.transpose(0, 1) for t in inputs]
-        q, k, v = self._project(*inputs)
+        if not batched and key_padding_mask is not None:  # (L, E): one sequence
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        laid_out: dict[int, torch.Tensor] = {}  # once per distinct input: one copy into tp
+        for t in (query, key, value):
+            if id(t) not in laid_out:
+                laid_out[id(t)] = self._batch_first(t, batched)
+        q, k, v = self._project(*(laid_out[id(t)] for t in (query, key, value)))
         rows, length, span = q.shape[0], q.shape[2], k.shape[2]
         mask = self._mask(attn_mask, key_padding_mask, rows, length, span, q.dtype)
         dropout = self.dropout if self.training else 0.0
@@ -93,6 +92,12 @@ class HeadParallelMultiheadAttention(nn.MultiheadAttention, ParallelLayer):
         if not batched:
             return out.squeeze(0), weights
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def _batch_first(self, t: torch.Tensor, batched: bool) -> torch.Tensor:
+        """`t` as (batch, length, E)."""
+        if not batched:
+            return t.unsqueeze(0)
+        return t if self.batch_first else t.transpose(0, 1)
 
     def _project(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
