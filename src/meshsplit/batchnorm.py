@@ -5,10 +5,9 @@ Per channel, the replicas' counts, means and sums of squared deviations combine 
     n = Σ n_r,   μ = Σ n_r·μ_r / n,   M2 = Σ (M2_r + n_r·(μ_r − μ)²)
     y = (x − μ)·σ⁻¹·w + b,   σ = sqrt(M2 / n + eps)
 
-forward: all-gather of (n, μ, M2) over dp; backward: all-reduce over dp of Σ dy and Σ dy·x̂.
-Without dp, PyTorch's own kernel normalises (bit for bit a plain BatchNorm). With
-micro_batches=1 and any dp, training equals one process on the global batch.
-Rationale: docs/internals.md#batchnormpy
+forward: all-gather of (n, μ, M2) over dp; backward: all-reduce over dp of Σ dy and Σ dy·x̂;
+PyTorch's kernels do the arithmetic. With micro_batches=1 and any dp, training equals one
+process on the global batch. Rationale: docs/internals.md#batchnormpy
 """
 
 from __future__ import annotations
@@ -216,13 +215,11 @@ class BatchNorm(_BatchNorm):
 
     def _local(self, input: torch.Tensor) -> torch.Tensor:
         """Statistics of this process's rows alone: PyTorch's own kernel, forward and
-        backward, so the result is bit for bit a plain BatchNorm's (a value an ulp from zero
-        before a ReLU keeps its side: a float32 formula of our own flipped one on a random
-        SE-ResNeXt and put a gradient 15% off); the running statistics still wait."""
+        backward, bit for bit a plain BatchNorm's (a value an ulp from zero before a ReLU
+        keeps its side); the running statistics still wait."""
         if not (self.training and self.track_running_stats and not recomputing()):
             return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        # the kernel's own mean and 1/σ feed the running statistics: a pass of var_mean over
-        # an NCHW input cost three times the normalisation (8.9 against 3.1 ms, 64x32x28x28)
+        # the kernel's own mean and 1/σ feed the running statistics (no second pass)
         if input.numel() <= input.size(1):  # as F.batch_norm checks
             raise ValueError(
                 f"expected more than 1 value per channel when training, got input size "
@@ -333,14 +330,12 @@ def _combine(
 class Normalize(torch.autograd.Function):
     """y = x̂·w + b, x̂ = (x − μ)·σ⁻¹ with μ, σ of the micro-batch over all of dp.
 
-    forward: PyTorch's own kernel in eval form given σ⁻¹·w as weight and a variance of 1, so
-    it computes what its training kernel does with these statistics (x·a + (b − μ·a) fused,
-    σ⁻¹ rounded from float64) in one pass: a channel constant over the batch (a dead ReLU
-    channel shifted by a bias) lands an ulp from b on the same side as in one process.
-    backward: dx = σ⁻¹·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w, the means over every replica's
-    elements: the kernel's eval backward gives this replica's Σ dy and Σ dy·(x − μ) (db, and
-    dw after σ⁻¹: the gradient sync sums those over dp), one all-reduce over dp makes them
-    global, and dx = (dy − Σdy/n)·a + (x − μ)·k per channel.
+    forward: PyTorch's eval kernel given σ⁻¹·w as weight and a variance of 1 computes what its
+    training kernel does with these statistics (x·a + (b − μ·a) fused, σ⁻¹ from float64), so
+    a constant channel (a dead ReLU channel plus a bias) lands an ulp from b on the same side
+    as in one process. backward: dx = σ⁻¹·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w, means over
+    every replica: the eval backward gives this replica's Σ dy and Σ dy·(x − μ) (db, and dw
+    after σ⁻¹; the gradient sync sums those over dp), one all-reduce makes them global.
     """
 
     @staticmethod
@@ -359,7 +354,7 @@ class Normalize(torch.autograd.Function):
         scale = invstd if weight is None else invstd * weight
         ctx.save_for_backward(x, mean, invstd, scale)
         ctx.count, ctx.group = count, group
-        return F.batch_norm(x, mean, torch.ones_like(var), scale, bias, False, 0.0, 0.0)
+        return _normalised(x, mean, torch.ones_like(var), scale, bias)
 
     @staticmethod
     @once_differentiable
@@ -380,9 +375,9 @@ class Normalize(torch.autograd.Function):
             mean_dy, mean_dy_xhat = (sums / ctx.count).unbind()
             slope = -mean_dy_xhat * invstd * scale  # dx's term in (x − μ)
             # (dy − mean_dy)·a − μ·k in the kernel (bias −μ·k), then + x·k
-            grad_x = F.batch_norm(
-                dy, mean_dy, ones, scale, -mean * slope, False, 0.0, 0.0
-            ).addcmul_(x, slope.view(_channel_shape(x)))
+            grad_x = _normalised(dy, mean_dy, ones, scale, -mean * slope).addcmul_(
+                x, slope.view(_channel_shape(x))
+            )
         return (
             grad_x,
             None,
@@ -393,6 +388,11 @@ class Normalize(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _normalised(x: Any, mean: Any, var: Any, weight: Any, bias: Any) -> torch.Tensor:
+    """PyTorch's eval-mode kernel with eps 0 (the op: torch 2.11's F.batch_norm refuses 0)."""
+    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, 0.0, True)
 
 
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
