@@ -53,13 +53,7 @@ def copied(node: fx.Node) -> bool:
     blocks (nn.MultiheadAttention's batch x heads, made once and read by every later block),
     which would otherwise tie all those blocks into one layer.
     """
-    if node.op == "get_attr":
-        return True
-    return _shape(node) or (
-        node.op == "call_function"
-        and node.target in _NUMBER_OPS
-        and all(_shape(a) for a in node.args if isinstance(a, fx.Node))
-    )
+    return node.op == "get_attr" or _shape(node)
 
 
 _NUMBER_OPS = frozenset(
