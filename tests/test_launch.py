@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -45,12 +46,14 @@ def _fail_on(rank: int, how: str, folder: str) -> None:
     if dist.get_rank() == rank:
         if how == "raise":
             raise RuntimeError(f"deliberate failure on rank {rank}")
+        if how == "segfault":  # a crash in native code
+            ctypes.string_at(0)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # the others wait here for the failed peer
     time.sleep(60)  # never reached when the failure ends the job
 
 
-@pytest.mark.parametrize(("how", "rank"), [("raise", 1), ("sigkill", 2)])
+@pytest.mark.parametrize(("how", "rank"), [("raise", 1), ("sigkill", 2), ("segfault", 3)])
 def test_failing_worker_raises_worker_error_naming_rank(how: str, rank: int, tmp_path) -> None:
     started = time.monotonic()
     with pytest.raises(ms.WorkerError) as caught:
@@ -60,6 +63,9 @@ def test_failing_worker_raises_worker_error_naming_rank(how: str, rank: int, tmp
     if how == "raise":
         assert caught.value.error_type == "RuntimeError"
         assert "deliberate failure on rank 1" in caught.value.traceback
+    elif how == "segfault":  # the Python stack it died in, as faulthandler wrote it
+        assert "SIGSEGV" in str(caught.value)
+        assert "in _fail_on" in caught.value.traceback, caught.value.traceback
     else:
         assert "SIGKILL" in str(caught.value)
     for pid_file in tmp_path.glob("*.pid"):

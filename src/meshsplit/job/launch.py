@@ -32,6 +32,7 @@ from meshsplit.job.context import in_torchrun, job_store, jobs_joined, join_job_
 from meshsplit.job.stop import STOP_SIGNALS
 from meshsplit.job.worker import (
     LauncherOutput,
+    fault_log,
     forked_worker,
     started_marker,
     started_worker,
@@ -219,7 +220,9 @@ def _failure(process: Any, rank: int, workdir: Path, seen_at: float) -> tuple[fl
     code = process.exitcode
     if code is not None and code < 0:
         name = signal.Signals(-code).name
-        return seen_at, WorkerError(rank, "Killed", f"killed by signal {name}", "")
+        stacks = fault_log(workdir, rank)
+        stacks_text = stacks.read_text() if stacks.exists() else ""
+        return seen_at, WorkerError(rank, "Killed", f"killed by signal {name}", stacks_text)
     if not started_marker(workdir, rank).exists():
         return seen_at, WorkerError(
             rank,

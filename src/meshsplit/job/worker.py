@@ -5,6 +5,7 @@ group, the job itself, and a report of how it ended that the launcher reads.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import pickle
@@ -48,6 +49,12 @@ def started_marker(workdir: Path, rank: int) -> Path:
     """The file a worker leaves once its process is up and running meshsplit's code: a worker
     that dies without it never got that far (its main module failed to import)."""
     return workdir / f"rank{rank}.started"
+
+
+def fault_log(workdir: Path, rank: int) -> Path:
+    """Where a worker's Python stacks go if native code kills it (a segmentation fault, an
+    abort): the launcher shows them with the signal."""
+    return workdir / f"rank{rank}.fault"
 
 
 def forked_worker(*args: Any) -> None:
@@ -111,6 +118,8 @@ def _local_worker(
     kwargs: dict[str, Any],
 ) -> None:
     _die_with_parent()
+    faults = fault_log(workdir, rank).open("w")  # open while the process lives
+    faulthandler.enable(faults, all_threads=True)
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     torch.set_num_threads(threads_per_worker(world_size))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
