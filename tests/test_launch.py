@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import meshsplit as ms
+from meshsplit.job import launch as launch_module
 
 
 def _rank_and_tensor(offset: int) -> tuple[int, torch.Tensor]:
@@ -143,3 +145,16 @@ def test_launch_joins_a_torchrun_job(tmp_path) -> None:
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world"] == 2 for r in results)
     assert results[0]["loss"] == results[1]["loss"]
+
+
+def _imported() -> dict[str, bool]:
+    return {name: name in sys.modules for name in ("torch._dynamo", "transformers")}
+
+
+def test_workers_start_with_the_modules_the_forkserver_preloaded(monkeypatch) -> None:
+    # conftest.py names tests/preload.py in MESHSPLIT_PRELOAD; this module imports neither
+    for imported in ms.launch(_imported, 2):
+        assert imported["torch._dynamo"]
+        assert imported["transformers"] or importlib.util.find_spec("transformers") is None
+    monkeypatch.setenv("MESHSPLIT_PRELOAD", " transformers, ,x_transformers ")
+    assert launch_module._preloaded() == ["transformers", "x_transformers"]

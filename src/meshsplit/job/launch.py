@@ -42,6 +42,7 @@ from meshsplit.job.worker import (
 __all__ = ["WorkerError", "launch"]
 
 DEFAULT_TIMEOUT_S = 120.0
+PRELOAD_VARIABLE = "MESHSPLIT_PRELOAD"
 DEFAULT_START = "forkserver" if "forkserver" in get_all_start_methods() else "spawn"
 """How local workers start: forked from a server that imported torch once, where there is one."""
 """Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
@@ -111,7 +112,8 @@ def launch(
     port = _free_port() if store is None else store.port
     context: Any = get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["meshsplit"])  # torch and meshsplit, imported once
+        # imported once; torch._dynamo is imported by the first parallelize (half a second)
+        context.set_forkserver_preload(["meshsplit", "torch._dynamo", *_preloaded()])
     worker: Callable[..., None] = forked_worker
     job: tuple[Any, ...] = (fn, args, kwargs)
     if start_method != "fork":  # unpickled in the worker once this environment is in place
@@ -138,6 +140,15 @@ def launch(
         finally:
             _stop(processes)
             del store
+
+
+def _preloaded() -> list[str]:
+    """The modules named in MESHSPLIT_PRELOAD (comma-separated): the forkserver imports them
+    with torch and meshsplit when it starts, so the workers of every launch start with them
+    (a library such as transformers costs each worker seconds to import). A name that fails
+    to import is skipped there, and the worker imports what it needs as without it."""
+    names = os.environ.get(PRELOAD_VARIABLE, "").split(",")
+    return [name.strip() for name in names if name.strip()]
 
 
 def _store_server(port: int, nprocs: int, timeout_s: float) -> dist.TCPStore:
