@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from meshsplit.batchnorm import Normalize, moments, recomputing
+from meshsplit.batchnorm import BatchNorm, Normalize, moments, recomputing
 
 __all__: list[str] = []
 
@@ -34,11 +34,13 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def own_forwards(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each BatchNorm subclass whose forward is its own."""
+    """(name, module) of each BatchNorm subclass whose forward is its own: a user's, not
+    meshsplit's converted layer (which normalises over dp itself)."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, _BatchNorm) and type(module).forward is not _BatchNorm.forward
+        if isinstance(module, _BatchNorm)
+        and type(module).forward not in (_BatchNorm.forward, BatchNorm.forward)
     ]
 
 

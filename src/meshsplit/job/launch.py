@@ -42,10 +42,11 @@ from meshsplit.job.worker import (
 __all__ = ["WorkerError", "launch"]
 
 DEFAULT_TIMEOUT_S = 120.0
-PRELOAD_VARIABLE = "MESHSPLIT_PRELOAD"
+"""Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
 DEFAULT_START = "forkserver" if "forkserver" in get_all_start_methods() else "spawn"
 """How local workers start: forked from a server that imported torch once, where there is one."""
-"""Bound on every collective and on joining the job: a stuck peer fails, it never hangs."""
+PRELOAD_VARIABLE = "MESHSPLIT_PRELOAD"
+"""Modules, comma-separated, that the forkserver imports once for every launch's workers."""
 _GRACE_S = 3.0
 
 

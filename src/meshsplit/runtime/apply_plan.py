@@ -105,10 +105,9 @@ def apply_plan(
     if lazy:  # BatchNorm layers are rebuilt, with their values: give them values
         lazy_model.keep(model, batchnorm_state(model), mesh.device)
     statistics = None if plan.asynchronous else mesh.group("dp")
-    subclasses = own_forwards(model)  # timm's BatchNormAct2d: its F.batch_norm calls
-    batchnorm = convert_batchnorm(model, statistics, plan.micro_batches)  # (layers of its own)
+    batchnorm = convert_batchnorm(model, statistics, plan.micro_batches)
     if statistics is not None and dist.get_world_size(statistics) > 1:
-        for _, module in subclasses:
+        for _, module in own_forwards(model):  # timm's BatchNormAct2d: its F.batch_norm calls
             normalise_over(module, statistics)
     blocks = piece_names(model) if plan.recompute in ("always", "auto") else []
     operator_split: list[tensor.Decision] = []
