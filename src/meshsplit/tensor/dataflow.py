@@ -11,7 +11,6 @@ Rationale: docs/internals.md#tensordataflowpy
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshsplit.batch import call_model, tensors
 from meshsplit.tensor.conv1d import is_conv1d
+from meshsplit.tensor.probe import Trace, candidates, copy_of, hooked, outputs, quietly, same
 from meshsplit.tensor.shards import local_shard
 from meshsplit.tensor.units import features
 
@@ -72,124 +71,6 @@ class Refusal:
 
 class _Stop(Exception):
     """Ends a simulated forward once the row layer has its partial sum."""
-
-
-@contextmanager
-def hooked(register: list[Callable[[], Any]]) -> Iterator[None]:
-    """The hooks `register` makes, in place while the body runs."""
-    handles = [make() for make in register]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _outputs(model: nn.Module, example: Any) -> list[torch.Tensor]:
-    return tensors(call_model(model, example))
-
-
-def same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
-    return len(first) == len(second) and all(map(torch.equal, first, second))
-
-
-def _copy(value: Any) -> Any:
-    """A tensor's detached copy (other values as they are)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def noise_added(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    """A forward hook: the output with noise of its own size added (the same every time)."""
-    noise = torch.randn(output.shape, generator=torch.Generator().manual_seed(0))
-    return output + noise.to(output) * (output.abs().mean() + 1)
-
-
-@contextmanager
-def quietly(model: nn.Module) -> Iterator[None]:
-    """Forwards to look at, not to train: eval mode (no dropout) and no autograd, the
-    model's mode as it was after. torch's fused transformer inference path is off: it runs
-    only in a layer with no hooks on it, so a forward hooked in one place and one hooked in
-    another would differ in their last bits, and no pair would pass the comparison."""
-    training = model.training
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    model.eval()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
-        model.train(training)
-
-
-class _Trace:
-    """One clean forward: every candidate's input, output and call count, in call order."""
-
-    def __init__(self, model: nn.Module, example: Any, layers: Mapping[str, nn.Module]) -> None:
-        self.model, self.example, self.layers = model, example, layers
-        self.inputs: dict[str, torch.Tensor] = {}
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.calls: Counter[str] = Counter()
-        with hooked([self._recorder(name, m) for name, m in layers.items()]):
-            self.result = _outputs(model, example)
-        self.order = list(self.inputs)
-
-    def _recorder(self, name: str, module: nn.Module) -> Callable[[], Any]:
-        def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            self.calls[name] += 1
-            if name not in self.outputs:  # copies: the model may add to them in place after
-                self.inputs[name] = _copy(args[0])  # (Falcon: mlp_output += attention_output)
-                self.outputs[name] = _copy(output)
-
-        return lambda: module.register_forward_hook(hook)
-
-    def inputs_after_perturbing(self, name: str) -> dict[str, torch.Tensor]:
-        seen: dict[str, torch.Tensor] = {}
-
-        def record(other: str) -> Callable[[], Any]:
-            def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
-                seen.setdefault(other, args[0])
-
-            return lambda: self.layers[other].register_forward_pre_hook(hook)
-
-        register = [lambda: self.layers[name].register_forward_hook(noise_added)]
-        with hooked(register + [record(other) for other in self.layers]):
-            _outputs(self.model, self.example)
-        return seen
-
-    def only_path(self, name: str, through: str) -> bool:
-        """Restoring `through`'s input removes every change that perturbing `name` made."""
-
-        def perturb(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-            return output + 1
-
-        def restore(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-            return (self.inputs[through], *args[1:])
-
-        with hooked(
-            [
-                lambda: self.layers[name].register_forward_hook(perturb),
-                lambda: self.layers[through].register_forward_pre_hook(restore),
-            ]
-        ):
-            return same(_outputs(self.model, self.example), self.result)
-
-
-def candidates(trace: _Trace) -> dict[str, list[str]]:
-    """Row layer -> the column layers whose only way to the output is through it."""
-    groups: dict[str, list[str]] = {}
-    for name in trace.order:
-        if trace.calls[name] != 1:
-            continue
-        changed = trace.inputs_after_perturbing(name)
-        later = trace.order[trace.order.index(name) + 1 :]
-        first = next(
-            (b for b in later if b in changed and not torch.equal(changed[b], trace.inputs[b])),
-            None,
-        )
-        if first is not None and trace.calls[first] == 1 and trace.only_path(name, first):
-            groups.setdefault(first, []).append(name)
-    return groups
 
 
 def _between(columns: list[str], row: str) -> list[str]:
@@ -252,7 +133,7 @@ def _partial(row: nn.Module, x: torch.Tensor, rank: int, tp: int) -> torch.Tenso
     return F.linear(x, local_shard(weight, 1, 1, rank, tp))
 
 
-def _column(trace: _Trace, name: str, parts: int, rank: int, tp: int) -> Callable[[], Any]:
+def _column(trace: Trace, name: str, parts: int, rank: int, tp: int) -> Callable[[], Any]:
     """Registers a hook making column layer `name` emit only rank `rank`'s block."""
 
     def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
@@ -262,7 +143,7 @@ def _column(trace: _Trace, name: str, parts: int, rank: int, tp: int) -> Callabl
 
 
 @contextmanager
-def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[None]:
+def _as_rank(trace: Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[None]:
     """`pairs` split as on rank `rank`, each row handing on its whole (all-reduced) output.
 
     Columns emit their block, the head counts between are divided, and each row's forward
@@ -272,7 +153,7 @@ def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[N
     register = [_column(trace, n, parts, rank, tp) for p in pairs for n, parts in p.columns.items()]
     rows = [trace.layers[pair.row] for pair in pairs]
     for pair, row in zip(pairs, rows, strict=True):
-        row.forward = lambda *_, whole=trace.outputs[pair.row], **__: _copy(whole)
+        row.forward = lambda *_, whole=trace.outputs[pair.row], **__: copy_of(whole)
     per_rank = tuple(path for pair in pairs for path in pair.per_rank)
     try:
         with hooked(register), divided(trace.model, per_rank, tp):
@@ -283,7 +164,7 @@ def _as_rank(trace: _Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[N
 
 
 def _simulate_rank(
-    trace: _Trace, pair: Pair, rank: int, tp: int, accepted: list[Pair]
+    trace: Trace, pair: Pair, rank: int, tp: int, accepted: list[Pair]
 ) -> torch.Tensor:
     """The row layer's partial output on simulated rank `rank`, the accepted pairs split too."""
     found: list[torch.Tensor] = []
@@ -300,13 +181,13 @@ def _simulate_rank(
         divided(trace.model, pair.per_rank, tp),
         suppress(_Stop),
     ):
-        _outputs(trace.model, trace.example)
+        outputs(trace.model, trace.example)
     if not found:
         raise RuntimeError(f"'{pair.row}' did not run in the simulated forward")
     return found[0]
 
 
-def _leaks(trace: _Trace, pairs: list[Pair], tp: int) -> str:
+def _leaks(trace: Trace, pairs: list[Pair], tp: int) -> str:
     """Why splitting `pairs` together changes the model's output, or '' when it does not.
 
     With every row handing on its whole output, the output is the clean one unless a split
@@ -314,22 +195,16 @@ def _leaks(trace: _Trace, pairs: list[Pair], tp: int) -> str:
     """
     try:
         with _as_rank(trace, pairs, 0, tp):
-            changed = not same(_outputs(trace.model, trace.example), trace.result)
+            changed = not same(outputs(trace.model, trace.example), trace.result)
     except Exception as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
     return "it changes values outside the pair" if changed else ""
 
 
-def _check(
-    model: nn.Module,
-    trace: _Trace,
-    row: str,
-    columns: list[str],
-    tp: int,
-    accepted: list[Pair],
-    realize: Realize,
+def _shaped(
+    model: nn.Module, trace: Trace, row: str, columns: list[str], tp: int
 ) -> Pair | Refusal:
-    """The validated pair, or why it is not one."""
+    """The pair if its shapes and head counts divide by tp, or why they do not."""
     names = (*columns, row)
     n_in = features(trace.layers[row])[0]
     parts = {}
@@ -342,13 +217,29 @@ def _check(
     per_rank, why = head_counts(model, _between(columns, row), tp)
     if why:
         return Refusal(names=names, reason=why, replicate=True)
-    pair = Pair(columns=parts, row=row, per_rank=tuple(per_rank))
+    return Pair(columns=parts, row=row, per_rank=tuple(per_rank))
+
+
+def _without_bias(trace: Trace, row: str, realize: Realize) -> torch.Tensor:
+    """The row layer's clean output less its bias: what its partial sums must add up to."""
     with realize(trace.layers[row]):
         bias = getattr(trace.layers[row], "bias", None)
-        expected = trace.outputs[row] - (0 if bias is None else bias)
+        return trace.outputs[row] - (0 if bias is None else bias)
+
+
+def _sums_to(partials: list[torch.Tensor], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.stack(partials).sum(0), expected, rtol=1e-5, atol=1e-6)
+
+
+def _simulated(
+    trace: Trace, pair: Pair, tp: int, accepted: list[Pair], realize: Realize
+) -> Pair | Refusal:
+    """The pair if its simulated ranks sum to its row's output and splitting it beside the
+    `accepted` ones leaves the model's output as it was, or why not."""
+    names = (*pair.columns, pair.row)
+    expected = _without_bias(trace, pair.row, realize)
     try:
-        partials = [_simulate_rank(trace, pair, r, tp, accepted) for r in range(tp)]
-        torch.testing.assert_close(torch.stack(partials).sum(0), expected, rtol=1e-5, atol=1e-6)
+        _sums_to([_simulate_rank(trace, pair, r, tp, accepted) for r in range(tp)], expected)
     except Exception as error:  # any failure of the simulated split refuses the pair
         why = f"split check failed ({type(error).__name__}: {str(error).splitlines()[0][:80]})"
         return Refusal(names=names, reason=why, replicate=False)
@@ -358,6 +249,71 @@ def _check(
             names=names, reason=f"split together with the others: {leak}", replicate=False
         )
     return pair
+
+
+def _first_failing(trace: Trace, pairs: list[Pair], tp: int, realize: Realize) -> int | None:
+    """None if all `pairs` pass at once: each rank simulated with every pair split (tp
+    forwards, where one pair at a time takes tp partial ones and a whole one per pair), every
+    row's partials summing to its output, and rank 0's model output the clean one. Otherwise
+    the first pair that looks at fault: its row not reached or its sum wrong (the last pair
+    when only the model's output changed)."""
+    partials: dict[str, list[torch.Tensor]] = {pair.row: [] for pair in pairs}
+
+    def record(row: str, rank: int) -> Callable[[], Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            partials[row].append(_partial(module, args[0], rank, tp))
+
+        return lambda: trace.layers[row].register_forward_pre_hook(hook)
+
+    leaked = False
+    for rank in range(tp):
+        register = [record(pair.row, rank) for pair in pairs]
+        with suppress(Exception):  # a forward that fails leaves the rows after it unreached
+            with _as_rank(trace, pairs, rank, tp), hooked(register):
+                output = outputs(trace.model, trace.example)
+            leaked = leaked or (rank == 0 and not same(output, trace.result))
+    for index, pair in enumerate(pairs):
+        try:
+            assert len(partials[pair.row]) == tp
+            _sums_to(partials[pair.row], _without_bias(trace, pair.row, realize))
+        except Exception:
+            return index
+    return len(pairs) - 1 if leaked else None
+
+
+def _one_by_one(
+    trace: Trace, possible: list[Pair], tp: int, realize: Realize
+) -> tuple[list[Pair], list[Refusal]]:
+    """What checking each pair beside those accepted before it gives, in fewer forwards:
+    the pairs are simulated all at once; those before the first at fault are accepted (their
+    sums held with even more split beside them) and that one is checked alone, for its
+    reason; and so on with the rest. The accepted set is checked for leaks as a whole at the
+    end, and if it leaks every pair is checked alone, in order."""
+    pairs: list[Pair] = []
+    refused: list[Refusal] = []
+    rest = possible
+    together = True  # the accepted pairs passed the leak check as one set
+    while rest:
+        found = 0 if len(rest) == 1 else _first_failing(trace, pairs + rest, tp, realize)
+        if found is None:
+            return pairs + rest, refused
+        if found:
+            pairs += rest[:found]
+            together = False
+        checked = _simulated(trace, rest[found], tp, pairs, realize)
+        if isinstance(checked, Pair):
+            pairs.append(checked)
+            together = True
+        else:
+            refused.append(checked)
+        rest = rest[found + 1 :]
+    if together or not _leaks(trace, pairs, tp):
+        return pairs, refused
+    pairs, refused = [], []
+    for pair in possible:
+        checked = _simulated(trace, pair, tp, pairs, realize)
+        (pairs if isinstance(checked, Pair) else refused).append(checked)  # type: ignore[arg-type]
+    return pairs, refused
 
 
 def find_pairs(
@@ -371,11 +327,11 @@ def find_pairs(
     the layers the example called.
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
-    built in parts keeps them elsewhere)."""
+    built in parts keeps them elsewhere). A pair is taken if it checks exact beside those
+    taken before it (see `_one_by_one`)."""
     with quietly(model):
-        trace = _Trace(model, example, layers)
-        pairs: list[Pair] = []
-        refused: list[Refusal] = []
+        trace = Trace(model, example, layers)
+        shaped: list[Pair | Refusal] = []
         taken: set[str] = set()
         found = candidates(trace)
         for row in sorted(found, key=trace.order.index):  # earliest first, no overlaps
@@ -383,9 +339,8 @@ def find_pairs(
             if taken & {*columns, row}:
                 continue
             taken.update(columns, [row])
-            checked = _check(model, trace, row, columns, tp, pairs, realize)
-            if isinstance(checked, Pair):
-                pairs.append(checked)
-            else:
-                refused.append(checked)
+            shaped.append(_shaped(model, trace, row, columns, tp))
+        pairs, failed = _one_by_one(trace, [p for p in shaped if isinstance(p, Pair)], tp, realize)
+        refused = [r for r in shaped if isinstance(r, Refusal)] + failed
+        refused.sort(key=lambda refusal: trace.order.index(refusal.names[-1]))  # by row
         return pairs, refused, set(trace.calls)

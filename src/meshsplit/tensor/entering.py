@@ -24,7 +24,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from meshsplit.batch import call_model
-from meshsplit.tensor.dataflow import hooked
+from meshsplit.tensor.probe import hooked
 
 __all__: list[str] = []
 

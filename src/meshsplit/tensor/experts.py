@@ -30,7 +30,8 @@ from torch import nn
 
 from meshsplit.batch import call_model
 from meshsplit.tensor.collectives import copy_all_to_tp, reduce_from_tp
-from meshsplit.tensor.dataflow import Realize, hooked, quietly
+from meshsplit.tensor.dataflow import Realize
+from meshsplit.tensor.probe import hooked, quietly
 from meshsplit.tensor.shards import ParallelLayer, local_shard
 from meshsplit.tensor.units import Decision
 

@@ -22,8 +22,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import call_model
-from meshsplit.tensor.dataflow import hooked, noise_added, quietly, same
 from meshsplit.tensor.entering import Entering, what_enters
+from meshsplit.tensor.probe import hooked, noise_added, quietly, same
 
 __all__: list[str] = []
 
