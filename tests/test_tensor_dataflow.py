@@ -60,19 +60,25 @@ def _found(model: nn.Module, tp: int = 2) -> tuple[list[str], dict[str, str]]:
     return [p.row for p in pairs], {r.names[-1]: r.reason for r in refused}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_pairs_that_pass_together_take_a_forward_per_layer_and_one_per_rank(
-    tp: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    forwards = [0]
+@pytest.fixture
+def forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of model forwards the search runs, counted as it goes."""
+    count = [0]
     original = probe.outputs
 
     def counted(*args: Any) -> list[torch.Tensor]:
-        forwards[0] += 1
+        count[0] += 1
         return original(*args)
 
     monkeypatch.setattr(probe, "outputs", counted)
     monkeypatch.setattr(dataflow, "outputs", counted)
+    return count
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_pairs_that_pass_together_take_a_forward_per_layer_and_one_per_rank(
+    tp: int, forwards: list[int]
+) -> None:
     rows, refused = _found(_model(Block, Block, Block, Block), tp)
     assert rows == ["0.fc2", "1.fc2", "2.fc2", "3.fc2"] and refused == {}
     # the clean trace, one perturbed forward per layer, then one simulated forward per rank
@@ -80,11 +86,17 @@ def test_pairs_that_pass_together_take_a_forward_per_layer_and_one_per_rank(
     assert forwards[0] == 1 + 8 + tp
 
 
-def test_a_pair_that_fails_in_the_middle_is_refused_and_the_others_taken() -> None:
+def test_a_pair_that_fails_in_the_middle_is_refused_and_the_others_taken(
+    forwards: list[int],
+) -> None:
     rows, refused = _found(_model(Block, NormedBlock, Block, NormedBlock, Block))
     assert rows == ["0.fc2", "2.fc2", "4.fc2"]
     assert list(refused) == ["1.fc2", "3.fc2"]
     assert all(reason.startswith("split check failed (RuntimeError") for reason in refused.values())
+    # trace and 10 perturbed; all at once (2), block 1 alone (fails in its first forward);
+    # blocks 0, 2, 3, 4 at once (2), block 3 alone (1); block 4 alone (2 ranks, 1 leak check).
+    # One pair at a time took 31; counting the one at fault from the wrong end, 29.
+    assert forwards[0] == 11 + 2 + 1 + 2 + 1 + 3
 
 
 @pytest.mark.parametrize("blocks", [(Block, LeakyBlock, Block), (LeakyBlock, Block, Block)])

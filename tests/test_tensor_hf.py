@@ -467,6 +467,19 @@ def test_an_alias_of_a_split_bias_holds_the_same_shard(name: str) -> None:
         assert head is decoder and head.shape[0] * TP == hf_models.VOCAB
 
 
+def test_t5s_cross_attentions_split_together_and_its_self_attentions_stay_whole() -> None:
+    # the decoder's first cross-attention makes a zero position bias with its own head count
+    # and hands it to the next: split alone, either meets the other's whole count; together
+    # they agree (checked one pair at a time, both were refused)
+    d = _decisions("t5", TP)
+    for block in (0, 1):
+        cross = f"m.decoder.block.{block}.layer.1.EncDecAttention"
+        assert [d[f"{cross}.{p}"].split for p in "qkvo"] == ["column"] * 3 + ["row"]
+        assert d[f"{cross}.o"].per_rank == (f"{cross}.n_heads",)
+        own = f"m.decoder.block.{block}.layer.0.SelfAttention.o"  # relative bias: whole heads
+        assert d[own].reason.startswith("data-flow pair not taken"), d[own]
+
+
 def test_the_tie_of_four_layers_is_decided_together() -> None:
     d = _decisions("t5", TP)
     assert [d[layer].split for layer in TIES["t5"]] == ["vocab", "vocab", "vocab", "column"]

@@ -255,8 +255,8 @@ def _first_failing(trace: Trace, pairs: list[Pair], tp: int, realize: Realize) -
     """None if all `pairs` pass at once: each rank simulated with every pair split (tp
     forwards, where one pair at a time takes tp partial ones and a whole one per pair), every
     row's partials summing to its output, and rank 0's model output the clean one. Otherwise
-    the first pair that looks at fault: its row not reached or its sum wrong (the last pair
-    when only the model's output changed)."""
+    the first pair that looks at fault: its row not reached or its sum wrong; len(pairs)
+    when only the model's output changed (which pair leaks is not known)."""
     partials: dict[str, list[torch.Tensor]] = {pair.row: [] for pair in pairs}
 
     def record(row: str, rank: int) -> Callable[[], Any]:
@@ -278,25 +278,32 @@ def _first_failing(trace: Trace, pairs: list[Pair], tp: int, realize: Realize) -
             _sums_to(partials[pair.row], _without_bias(trace, pair.row, realize))
         except Exception:
             return index
-    return len(pairs) - 1 if leaked else None
+    return len(pairs) if leaked else None
 
 
-def _one_by_one(
+def _taken(
     trace: Trace, possible: list[Pair], tp: int, realize: Realize
 ) -> tuple[list[Pair], list[Refusal]]:
-    """What checking each pair beside those accepted before it gives, in fewer forwards:
-    the pairs are simulated all at once; those before the first at fault are accepted (their
-    sums held with even more split beside them) and that one is checked alone, for its
-    reason; and so on with the rest. The accepted set is checked for leaks as a whole at the
-    end, and if it leaks every pair is checked alone, in order."""
+    """The pairs to split and the refused ones. All are simulated at once first: a set that
+    passes together is taken whole, which also takes pairs exact only beside each other (T5's
+    cross-attentions hand on a position bias made with the first one's head count; one pair
+    at a time, both were refused). Otherwise those before the first at fault are taken (their
+    sums held with even more split beside them), that one is checked beside the taken ones,
+    for its reason, and so on with the rest. A leak that no pair's sum shows, or a taken set
+    that leaks at the end, sends every pair to be checked alone."""
     pairs: list[Pair] = []
     refused: list[Refusal] = []
     rest = possible
     together = True  # the accepted pairs passed the leak check as one set
     while rest:
-        found = 0 if len(rest) == 1 else _first_failing(trace, pairs + rest, tp, realize)
-        if found is None:
-            return pairs + rest, refused
+        found = 0  # a lone pair is checked alone
+        if len(rest) > 1:
+            at_fault = _first_failing(trace, pairs + rest, tp, realize)
+            if at_fault is None:
+                return pairs + rest, refused
+            if at_fault == len(pairs + rest):
+                return _alone(trace, possible, tp, realize)
+            found = max(0, at_fault - len(pairs))  # one accepted before: check rest[0]
         if found:
             pairs += rest[:found]
             together = False
@@ -309,10 +316,21 @@ def _one_by_one(
         rest = rest[found + 1 :]
     if together or not _leaks(trace, pairs, tp):
         return pairs, refused
-    pairs, refused = [], []
+    return _alone(trace, possible, tp, realize)
+
+
+def _alone(
+    trace: Trace, possible: list[Pair], tp: int, realize: Realize
+) -> tuple[list[Pair], list[Refusal]]:
+    """Each pair checked alone, in order, beside those accepted before it."""
+    pairs: list[Pair] = []
+    refused: list[Refusal] = []
     for pair in possible:
         checked = _simulated(trace, pair, tp, pairs, realize)
-        (pairs if isinstance(checked, Pair) else refused).append(checked)  # type: ignore[arg-type]
+        if isinstance(checked, Pair):
+            pairs.append(checked)
+        else:
+            refused.append(checked)
     return pairs, refused
 
 
@@ -327,8 +345,8 @@ def find_pairs(
     the layers the example called.
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
-    built in parts keeps them elsewhere). A pair is taken if it checks exact beside those
-    taken before it (see `_one_by_one`)."""
+    built in parts keeps them elsewhere). The pairs taken check exact split all together
+    (see `_taken`)."""
     with quietly(model):
         trace = Trace(model, example, layers)
         shaped: list[Pair | Refusal] = []
@@ -340,7 +358,7 @@ def find_pairs(
                 continue
             taken.update(columns, [row])
             shaped.append(_shaped(model, trace, row, columns, tp))
-        pairs, failed = _one_by_one(trace, [p for p in shaped if isinstance(p, Pair)], tp, realize)
+        pairs, failed = _taken(trace, [p for p in shaped if isinstance(p, Pair)], tp, realize)
         refused = [r for r in shaped if isinstance(r, Refusal)] + failed
         refused.sort(key=lambda refusal: trace.order.index(refusal.names[-1]))  # by row
         return pairs, refused, set(trace.calls)
