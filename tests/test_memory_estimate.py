@@ -206,3 +206,23 @@ def _estimate_inside() -> str:
     except RuntimeError as error:
         return str(error)
     return "no error"
+
+
+def test_a_later_stage_reading_received_position_ids_is_estimated() -> None:
+    # OPT cut into 8 chunks (the traced front end) sends its position ids from the first
+    # chunk on; a simulated rank hears no peer, so what it receives must still index the
+    # position table (it held leftover heap bytes: IndexError)
+    import transformers
+
+    from hf_models import Wrap
+
+    config = transformers.OPTConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, ffn_dim=64,
+        max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Wrap(transformers.OPTForCausalLM(config))
+    x, y = _batch("llama")
+    plan = ms.Plan(pp=4, micro_batches=4, schedule="interleaved", virtual_stages=2)
+    estimate = ms.estimate_memory(model, plan, (x, y), loss_fn=ms.models.TokenCrossEntropy())
+    assert all(rank.peak_bytes > 0 for rank in estimate.ranks)

@@ -115,13 +115,17 @@ class BufferPool:
         self._storages: set[int] = set()
         self.buffers: list[torch.Tensor] = []
         """Every buffer the pool created, lent or free (for memory accounting)."""
+        self.zeroed = False
+        """New buffers hold zeros, not whatever memory held: for a simulated rank, whose
+        receives write nothing, so that a received index (position ids) stays in range."""
 
     def take(self, meta: TensorMeta) -> torch.Tensor:
         free = self._free.get((meta.shape, meta.carried))
         if free:
             return free.pop()
         self.allocations += 1
-        buffer = torch.empty(meta.shape, dtype=meta.carried, device=self.device)
+        make = torch.zeros if self.zeroed else torch.empty
+        buffer = make(meta.shape, dtype=meta.carried, device=self.device)
         self._storages.add(buffer.untyped_storage().data_ptr())
         self.buffers.append(buffer)
         return buffer

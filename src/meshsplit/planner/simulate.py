@@ -184,7 +184,7 @@ def _simulate(
         with fake_group(rank, plan.world_size):
             # a factory builds each simulated rank's part afresh; a model is copied whole
             source = copy.deepcopy(model) if isinstance(model, nn.Module) else model
-            # received buffers hold whatever memory held (no peer sends): values mean nothing
+            # no peer sends: received values are zeros and mean nothing (nonfinite off)
             counted = replace(plan, nonfinite="off")
             with counting_only():
                 engine = parallelize(source, counted, optimizer=optimizer, loss_fn=loss_fn)
@@ -193,6 +193,7 @@ def _simulate(
             if isinstance(runner, PipelineRunner):
                 exchange = runner.stage.exchange
                 exchange.unheard = _stop
+                exchange.pool.zeroed = True  # a received index (position ids) stays valid
                 for (sender, tag, key), metas in headers.get(rank, {}).items():
                     exchange.learn(sender, tag, key, metas)
             engine.memory.track = True
