@@ -273,8 +273,9 @@ def _first_failing(trace: Trace, pairs: list[Pair], tp: int, realize: Realize) -
                 output = outputs(trace.model, trace.example)
             leaked = leaked or (rank == 0 and not same(output, trace.result))
     for index, pair in enumerate(pairs):
+        if len(partials[pair.row]) != tp:
+            return index
         try:
-            assert len(partials[pair.row]) == tp
             _sums_to(partials[pair.row], _without_bias(trace, pair.row, realize))
         except Exception:
             return index
