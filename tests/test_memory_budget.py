@@ -118,3 +118,67 @@ def test_going_past_the_budget_at_run_time_stops_the_job_naming_rank_step_and_ph
     budget = (floor + need.peak_bytes) // 2  # the state fits; the activations do not
     with pytest.raises(ms.WorkerError, match=r"MemoryBudgetError: rank \d, step 1: (for|back)ward"):
         ms.launch(_over_budget, 2, args=(budget,), timeout_s=120)
+
+
+class _Picking(torch.nn.Module):
+    """Adds a layer's output over the rows its input picks: what it allocates follows the
+    data, not the batch shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) + self.layer(x[x[:, 0] > 0].repeat(64, 1)).sum(0)
+
+
+def _counted_steps(cases: list[tuple[str, list[Any]]]) -> list[list[int]]:
+    """Runs in a worker: for each case, the steps whose live tensors were counted under a
+    budget."""
+    from meshsplit.runtime import rank_memory
+
+    counted: list[int] = []
+
+    class Counting(rank_memory.LiveTensors):
+        def __enter__(self) -> Any:
+            counted.append(int(self.where.rsplit(" ", 1)[1]))
+            return super().__enter__()
+
+    rank_memory.LiveTensors = Counting  # this worker's own copy of the module
+    results = []
+    for name, batches in cases:
+        model, loss_fn = (
+            (_model(), ms.models.TokenCrossEntropy())
+            if name == "transformer"
+            else (_Picking(), torch.nn.MSELoss())
+        )
+        plan = ms.Plan(memory_budget="1GiB")
+        engine = ms.parallelize(model, plan, optimizer=_adam, loss_fn=loss_fn)
+        counted.clear()
+        for x, y in batches:
+            engine.train_step(x, y)
+        engine.close()
+        results.append(list(counted))
+    return results
+
+
+def test_a_budget_is_held_on_a_sample_once_steps_peak_alike() -> None:
+    # counting costs a small model's CPU step about half: a budget no longer counts them all
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 64, generator=g).abs(), torch.randn(16, 64, generator=g)
+    # rows picked by the data: 2, 4, 6, ... rows, a peak of its own every step
+    picking = [(x * torch.where(torch.arange(16) < 2 * n, 1.0, -1.0)[:, None], y) for n in
+               range(1, 8)]  # fmt: skip
+    cases = [
+        ("transformer", [_batch()] * 8),
+        ("picking", picking),
+        ("picking", [picking[0]] * 7),
+        ("picking", [picking[0]] * 99 + [picking[6]] * 5),
+    ]
+    steady, changing, same, later = ms.launch(_counted_steps, 1, args=(cases,), backend="gloo")[0]
+    assert steady == [1, 2, 3]  # steps 2 and 3 peaked alike: the rest are not counted
+    assert changing == list(range(1, 8))
+    assert same == [1, 2, 3]
+    # a sampled step (every 100th) that peaks otherwise: every step is counted again until
+    # two counted in a row peak alike (100 and 101)
+    assert later == [1, 2, 3, 100, 101]

@@ -126,6 +126,7 @@ class LiveTensors(TorchDispatchMode):
     ) -> None:
         super().__init__()
         self.device = device
+        self._on_cpu = device.type == "cpu"
         self.holders = holders
         self.budget = budget
         self.where = where
@@ -182,6 +183,9 @@ class LiveTensors(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no tree to walk
+            self._see(out, "temporaries")
+            return out
         for value in pytree.tree_leaves(out):
             if isinstance(value, torch.Tensor):
                 self._see(value, "temporaries")
@@ -190,7 +194,9 @@ class LiveTensors(TorchDispatchMode):
     def _see(self, tensor: torch.Tensor, category: str) -> None:
         if isinstance(tensor, DTensor):  # a wrapper: what this rank holds is its shard
             tensor = tensor._local_tensor
-        if tensor.device != self.device or tensor.is_meta or tensor.layout != torch.strided:
+        if not (tensor.is_cpu if self._on_cpu else tensor.device == self.device):
+            return  # (a meta tensor is on no device)
+        if tensor.layout != torch.strided:
             return
         with self._lock:
             self._count(tensor.untyped_storage(), category)

@@ -2,10 +2,10 @@
 
 Before the first step the rank's lasting state is known exactly (its split is built): it is
 held to Plan.memory_budget there, on every rank at once so all refuse together, and under
-recompute='auto' the blocks to recompute are chosen (memory/budget.py). In every step the
-live tensors are counted — the allocator's peak on GPU, the dispatch-level tracker on CPU
-(memory/tracker.py) — and the budget is enforced: by the allocator on GPU, at the end of
-each phase on CPU.
+recompute='auto' the blocks to recompute are chosen (memory/budget.py). In the steps the
+live tensors are counted — the allocator's peak on GPU in every step, the dispatch-level
+tracker (memory/tracker.py) on CPU in a sample (see RankMemory.track) — and the budget is
+enforced: by the allocator on GPU, at the end of each phase of a counted step on CPU.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ _enforcing = [True]
 FIRST_COUNTED = 3
 """Steps counted first, whatever the sample (step 1 makes any state the pools left lazy)."""
 SAMPLE_EVERY = 100
+STEADY = 2
+"""Counted steps in a row, of one batch shape, that must peak alike before a budget is held
+on the sampled steps only (until a sampled step of that shape peaks otherwise)."""
 
 
 @contextmanager
@@ -66,9 +69,14 @@ class RankMemory:
         """Count a train_step's live tensor bytes on CPU (memory_report's tensor_peak_bytes):
         True every step, False never, None (the default) a sample: the first steps, every
         SAMPLE_EVERY-th, and each step with batch shapes not seen before. Steady steps
-        allocate alike (memory/pools.py), and counting slows a small model's step by a few
-        percent (benchmarks/README.md). Under a memory budget every step is counted."""
+        allocate alike (memory/pools.py), and counting slows a small model's step by half
+        (benchmarks/README.md). Under a memory budget every step is counted until STEADY
+        counted steps of its batch shapes peak alike (a model whose allocations follow its
+        data, as a dropless mixture of experts' do, may never), then on the sample, and on
+        every step again once a sampled step peaks otherwise."""
         self._shapes_seen: set[Any] = set()
+        self._peaks: dict[Any, list[int]] = {}
+        """batch shapes -> the peaks of the last STEADY counted steps of those shapes."""
         self.enforce = _enforcing[-1]
         """Refuse (PlanError) or stop (MemoryBudgetError) a rank over Plan.memory_budget;
         off: only count."""
@@ -134,14 +142,18 @@ class RankMemory:
         self._shapes_seen.add(shapes)
         if self.track is not None:
             return self.track
-        return new or number <= FIRST_COUNTED or number % SAMPLE_EVERY == 0
+        if new or number <= FIRST_COUNTED or number % SAMPLE_EVERY == 0:
+            return True
+        held = self.plan.budget_bytes is not None and self.enforce
+        peaks = self._peaks.get(shapes, [])
+        return held and (len(peaks) < STEADY or len(set(peaks)) > 1)
 
     @contextmanager
     def step(
         self, runner: Runner, sync: Sync, optimizer: Any, number: int, shapes: Any
     ) -> Iterator[None]:
-        """Count step `number`'s live tensor bytes (on a sample of the steps on CPU, see
-        `track`) and hold it to the budget (every step)."""
+        """Count step `number`'s live tensor bytes on a sample of the steps on CPU (see
+        `track`), holding each counted step to the budget; on GPU every step is held."""
         where = f"rank {dist.get_rank()}, step {number}"
         device = self.mesh.device
         budget = self.plan.budget_bytes if self.enforce else None
@@ -159,7 +171,7 @@ class RankMemory:
             self.peak = Peak(bytes=int(torch.cuda.max_memory_allocated(device)))
             return
         counted = self.counts(number, shapes)
-        if not (counted or budget is not None or self.timeline is not None):
+        if not (counted or self.timeline is not None):
             yield
             return
         tp_staging = staging(self.mesh.group("tp"))
@@ -179,6 +191,7 @@ class RankMemory:
         with tracker:
             yield
         self.peak = tracker.peak
+        self._peaks[shapes] = [*self._peaks.get(shapes, []), tracker.peak.bytes][-STEADY:]
         if self.timeline is not None:
             self.timeline[:] = tracker.samples or []
 
