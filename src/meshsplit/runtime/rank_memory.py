@@ -136,6 +136,11 @@ class RankMemory:
             device=str(self.mesh.device),
         )
 
+    @property
+    def held_budget(self) -> int | None:
+        """Plan.memory_budget in bytes where this rank holds steps to it (None: only count)."""
+        return self.plan.budget_bytes if self.enforce else None
+
     def counts(self, number: int, shapes: Any) -> bool:
         """Whether step `number`, on a batch of these `shapes`, is counted on CPU."""
         new = shapes not in self._shapes_seen
@@ -144,9 +149,8 @@ class RankMemory:
             return self.track
         if new or number <= FIRST_COUNTED or number % SAMPLE_EVERY == 0:
             return True
-        held = self.plan.budget_bytes is not None and self.enforce
         peaks = self._peaks.get(shapes, [])
-        return held and (len(peaks) < STEADY or len(set(peaks)) > 1)
+        return self.held_budget is not None and (len(peaks) < STEADY or len(set(peaks)) > 1)
 
     @contextmanager
     def step(
@@ -156,7 +160,7 @@ class RankMemory:
         `track`), holding each counted step to the budget; on GPU every step is held."""
         where = f"rank {dist.get_rank()}, step {number}"
         device = self.mesh.device
-        budget = self.plan.budget_bytes if self.enforce else None
+        budget = self.held_budget
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             try:

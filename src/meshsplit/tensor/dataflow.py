@@ -299,10 +299,11 @@ def _taken(
     while rest:
         found = 0  # a lone pair is checked alone
         if len(rest) > 1:
-            at_fault = _first_failing(trace, pairs + rest, tp, realize)
+            together_now = pairs + rest
+            at_fault = _first_failing(trace, together_now, tp, realize)
             if at_fault is None:
-                return pairs + rest, refused
-            if at_fault == len(pairs + rest):
+                return together_now, refused
+            if at_fault == len(together_now):
                 return _alone(trace, possible, tp, realize)
             found = max(0, at_fault - len(pairs))  # one accepted before: check rest[0]
         if found:

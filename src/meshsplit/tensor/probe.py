@@ -110,7 +110,7 @@ class Trace:
             return lambda: self.layers[other].register_forward_pre_hook(hook)
 
         register = [lambda: self.layers[name].register_forward_hook(noise_added)]
-        with hooked(register + [restore_first(other) for other in self.layers]):
+        with hooked(register + [restore_first(other) for other in later]):
             output = outputs(self.model, self.example)
         if not first or self.calls[first[0]] != 1 or not same(output, self.result):
             return None
