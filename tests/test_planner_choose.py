@@ -11,9 +11,10 @@ import math
 
 import pytest
 import torch
-from test_memory_estimate import _batch, _loss, _model
+from test_memory_estimate import _adam, _batch, _loss, _model
 
 import meshsplit as ms
+from meshsplit.pipeline.blocks import piece_names
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
 
 from cli_runner import run_meshsplit
@@ -121,3 +122,25 @@ def test_choose_plan_ranks_plans_for_models_it_did_not_write(name: str) -> None:
         assert all(r.plan.micro_batches <= 4 for r in report.rows if r.plan.dp == 1)
     else:
         assert not too_small
+
+
+def test_the_planner_cuts_a_pipeline_only_where_the_layer_split_can() -> None:
+    """GPT-2 adds its position embedding to the token embedding after calling both, so no
+    stage may begin at `wpe`. The planner offered pp4 x v2 = 8 chunks of its 8 pieces (one
+    beginning at `wpe`), pinned, which the layer split then refused."""
+    model = _model("gpt2")
+    report = ms.choose_plan(
+        model, _batch("gpt2"), 4, machine=_machine(), estimate_top=0, loss_fn=_loss("gpt2")
+    )
+    names = piece_names(model)
+    piped = [row.plan for row in report.rows if row.plan.pp > 1]
+    assert piped and "m.transformer.wpe" in names
+    for plan in piped:
+        assert plan.stages is not None
+        starts = [sum(plan.stages[:k]) for k in range(1, len(plan.stages))]
+        assert "m.transformer.wpe" not in [names[k] for k in starts], plan.describe()
+    most = max(piped, key=lambda plan: plan.pp * plan.virtual_stages)
+    estimate = ms.estimate_memory(
+        _model("gpt2"), most, _batch("gpt2"), optimizer=_adam, loss_fn=_loss("gpt2")
+    )  # the layer split takes the pinned chunks
+    assert len(estimate.ranks) == 4

@@ -285,3 +285,17 @@ def test_a_plan_without_a_pipeline_is_one_chunk_whatever_its_schedule(options: d
     work, machine = _workload(), _machine()
     plain = predict(work, machine, ms.Plan(micro_batches=options.get("micro_batches", 1)))
     assert predict(work, machine, ms.Plan(**options)).step_time_s == plain.step_time_s
+
+
+def test_the_search_cuts_only_where_a_stage_may_begin() -> None:
+    """8 items a stage may begin only at items 2, 4 and 6 of: four runs to cut between."""
+    work = replace(_workload(items=8), cut_starts=(2, 4, 6))
+    ranking = search(work, _machine(), 4)
+    chunked = {(r.plan.pp, r.plan.virtual_stages) for r in ranking.rows if r.plan.pp > 1}
+    assert chunked == {(2, 1), (2, 2), (4, 1)}  # pp * v up to the four runs
+    for row in ranking.rows:
+        starts = {sum(row.stages[:k]) for k in range(1, len(row.stages))}
+        assert starts <= {2, 4, 6}, row.plan.describe()
+    fewer = replace(work, cut_starts=(4,))
+    refused = [why for plan, why in search(fewer, _machine(), 4).infeasible if plan.pp == 4]
+    assert refused and "has 2 between the places a stage may begin; use pp <= 2" in refused[0]

@@ -243,7 +243,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         )
     machine = machine.unshared()
     rows = rows_per_micro_batch(plan, workload.global_rows)
-    sizes = stage_sizes(workload.items[plan.tp], plan, rows)
+    sizes = stage_sizes(workload.items[plan.tp], plan, rows, workload.segments(plan.tp))
     chunks = _stages(workload, machine, plan, rows, sizes)
     stages = [_merged([chunks[c] for c in chunks_held(plan, r)]) for r in range(plan.pp)]
     m = plan.micro_batches

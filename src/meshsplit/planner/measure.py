@@ -26,7 +26,9 @@ from torch import nn
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.experts.split import experts_in
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
+from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks
 from meshsplit.pipeline.cuts import find_cuts
+from meshsplit.pipeline.spine import Spine, cut_positions
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.counting import autocast_of, count_items
 from meshsplit.planner.simulate import fake_group
@@ -73,6 +75,7 @@ def measure_workload(
                 refused[width] = str(error)
         with fake_group(0, 1):
             whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1), precision)
+            starts = _cut_starts(model, take_rows(inputs, slice(0, sizes[0])), items.get(1))
     finally:
         torch.set_rng_state(rng)
         torch.set_num_threads(threads_before)
@@ -84,8 +87,27 @@ def measure_workload(
         min_rows=sizes[0] if too_few else 1,
         min_rows_reason=too_few,
         experts=tuple(experts_in(model).values()),
+        cut_starts=starts,
         **whole,
     )
+
+
+def _cut_starts(
+    model: nn.Module, example: Any, items: tuple[Item, ...] | None
+) -> tuple[int, ...] | None:
+    """The items a stage may begin at, as the layer split finds them, when the items are the
+    pieces of the model's block lists (the runtime cuts at pinned stages there only where
+    one cut keeps the model's output); None (anywhere) for traced layers."""
+    if items is None or not has_nested_blocks(model):
+        return None
+    model = copy.deepcopy(model)
+    try:
+        pieces = find_blocks(model, example).pieces
+    except PlanError:
+        return None
+    if [piece.name for piece in pieces] != [item.name for item in items]:
+        return None
+    return tuple(cut_positions(Spine(model, pieces), example))
 
 
 def _runnable_sizes(

@@ -47,24 +47,44 @@ class Interval:
     chunk: int | None = None
 
 
-def stage_sizes(items: Sequence[Item], plan: Plan, rows: float) -> tuple[int, ...]:
+def stage_sizes(
+    items: Sequence[Item],
+    plan: Plan,
+    rows: float,
+    segments: Sequence[tuple[int, int]] | None = None,
+) -> tuple[int, ...]:
     """The plan's stages (chunks when interleaved), or the split the engine balances on
-    these costs."""
+    these costs, cutting only between `segments` (runs of items a stage takes whole: the
+    places a stage may begin; None: anywhere)."""
     if plan.stages is not None:
         return tuple(plan.stages)
     if plan.pp == 1:
         return (len(items),)
     costs = tuple(item.forward.at(rows) + item.backward.at(rows) for item in items)
     trainable = tuple(item.trainable for item in items)
-    return _balanced(costs, plan.pp * plan.virtual_stages, trainable, plan.virtual_stages)
+    runs = tuple(segments) if segments is not None else tuple((k, k + 1) for k in range(len(items)))
+    return _balanced(costs, plan.pp * plan.virtual_stages, trainable, plan.virtual_stages, runs)
 
 
 @functools.lru_cache(maxsize=256)
 def _balanced(
-    costs: tuple[float, ...], chunks: int, trainable: tuple[bool, ...], virtual_stages: int
+    costs: tuple[float, ...],
+    chunks: int,
+    trainable: tuple[bool, ...],
+    virtual_stages: int,
+    runs: tuple[tuple[int, int], ...],
 ) -> tuple[int, ...]:
-    """`balance`, once per split: the search prices many plans on the same one."""
-    return balance(costs, chunks, trainable, virtual_stages=virtual_stages)
+    """`balance` over the runs, in items; once per split: the search prices many plans on
+    the same one."""
+    sizes = balance(
+        [sum(costs[a:b]) for a, b in runs],
+        chunks,
+        [any(trainable[a:b]) for a, b in runs],
+        virtual_stages=virtual_stages,
+    )
+    ends = [sum(sizes[: k + 1]) for k in range(chunks)]
+    bounds = [0] + [runs[end - 1][1] for end in ends]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
 
 
 def _pipeline(plan: Plan) -> tuple[str, int, int, int]:

@@ -4,10 +4,11 @@ The space: dp x pp x tp = N over the tp widths the model can take; for a model w
 ep over every divisor of dp that divides the experts; micro-batches (pp, 2pp, 4pp, ... while
 they divide the replica's rows; 1 without a pipeline); schedules 1f1b, gpipe, zero-bubble,
 interleaved with v = 2 or 4 chunks per rank and zbv (2 in a V) where the model has a
-trainable item for each of the pp * v chunks; recompute never, except the last stage,
-always; optimizer state whole or sharded over dp (whole under ep). Beside them, parameter
-servers at staleness 0: dp = N - S workers (at least two) and S = 1 or 2 servers
-(`ps_cost.py`), whole models with no layer or operator split.
+trainable item for each of the pp * v chunks (counted between the places a stage may begin);
+recompute never, except the last stage, always; optimizer state whole or sharded over dp
+(whole under ep). Beside them, parameter servers at staleness 0: dp = N - S workers (at
+least two) and S = 1 or 2 servers (`ps_cost.py`), whole models with no layer or operator
+split.
 A plan is dropped, with its reason, when a factor cannot apply (the batch does not divide,
 the model has fewer trainable items than stages, a layer does not split that wide) or when
 its modelled memory passes the budget. The rest are priced by `cost.predict` and ranked.
@@ -97,7 +98,7 @@ def search(
                  f"for pp={pp}; use a global batch divisible by {dp * pp}")
             )  # fmt: skip
             continue
-        trainable = sum(item.trainable for item in workload.items[shape.tp])
+        trainable = workload.trainable_segments(shape.tp)
         widths = [] if shape.sync == "ps" else ep_widths(workload, dp)
         least = None  # the smallest per-rank need of this shape, for the refusal
         for m in _runnable(workload, shape, options, replica_rows, infeasible):
@@ -173,10 +174,11 @@ def _shape_refusal(workload: Workload, plan: Plan) -> str | None:
             f"divisibility: the global batch of {workload.global_rows} rows does not split over "
             f"dp={plan.dp}; use a batch divisible by {plan.dp}"
         )
-    trainable = sum(item.trainable for item in workload.items[plan.tp])
+    trainable = workload.trainable_segments(plan.tp)
     if plan.pp > trainable:
+        where = "" if workload.cut_starts is None else " between the places a stage may begin"
         return (
             f"layer count: pp={plan.pp} needs a trainable layer per stage and the model has "
-            f"{trainable}; use pp <= {trainable}"
+            f"{trainable}{where}; use pp <= {trainable}"
         )
     return None

@@ -121,7 +121,23 @@ class Workload:
     """What the model said at fewer rows than `min_rows`."""
     experts: tuple[int, ...] = ()
     """The number of experts of each experts module (empty: a dense model, no ep to try)."""
+    cut_starts: tuple[int, ...] | None = None
+    """The items a pipeline stage may begin at, as the layer split allows (a block list whose
+    forward reads a value across some places, GPT-2's position embedding); None: any."""
 
     @property
     def widths(self) -> list[int]:
         return sorted(self.items)
+
+    def segments(self, tp: int) -> list[tuple[int, int]]:
+        """[start, stop) runs of the items at width `tp` that a stage takes whole: from one
+        allowed start to the next."""
+        count = len(self.items[tp])
+        starts = range(1, count) if self.cut_starts is None else self.cut_starts
+        bounds = [0, *(k for k in starts if 0 < k < count), count]
+        return list(zip(bounds, bounds[1:], strict=False))
+
+    def trainable_segments(self, tp: int) -> int:
+        """How many stages (chunks) the items at width `tp` can be cut into at most."""
+        items = self.items[tp]
+        return sum(any(item.trainable for item in items[a:b]) for a, b in self.segments(tp))
