@@ -69,6 +69,7 @@ def _details() -> dict[str, Any]:
     details["passes"] = engine.runner.backward_passes()
     details["zero_bubble"] = engine.describe()
     engine.close()
+    details["runs"] = _recomputed_runs(x, y)
     try:
         ms.parallelize(
             ms.models.mlp((784, 16, 10)), ms.Plan(pp=2, micro_batches=2, **INTERLEAVED),
@@ -77,6 +78,21 @@ def _details() -> dict[str, Any]:
     except ms.PlanError as error:
         details["refused"] = str(error)
     return details
+
+
+def _recomputed_runs(x: torch.Tensor, y: torch.Tensor) -> int:
+    """How often this rank's first Linear runs in a zero-bubble step of 4 micro-batches under
+    recompute (the second stage holds several Linears, each its own group of W)."""
+    model = ms.models.mlp((784, 32, 32, 32, 32, 16, 10))
+    plan = ms.Plan(pp=2, micro_batches=4, recompute="always", **ZERO_BUBBLE)
+    engine = ms.parallelize(model, plan, example_inputs=x)
+    engine.train_step(x, y)
+    first = next(m for m in engine.runner.module.modules() if isinstance(m, torch.nn.Linear))
+    runs = [0]
+    first.register_forward_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    engine.train_step(x, y)
+    engine.close()
+    return runs[0]
 
 
 def _two_process_worker() -> dict[str, Any]:
@@ -108,6 +124,9 @@ def test_two_stages_match_single_process_and_describe_chunks() -> None:
     for rank in per_rank:
         assert set(rank["fired"].values()) == {rank["passes"]} == {4}
     assert " W0" in first["zero_bubble"]["schedule"]
+    # recompute once in B and once in W, not once per W group (the second stage's 3 groups
+    # ran it 5 times a micro-batch); the first stage has no B to send back: its W runs it
+    assert [rank["runs"] for rank in per_rank] == [4 * 2, 4 * 3]
     assert first["zero_bubble"]["bubble_fraction"] == pytest.approx(1 / 13)
     for rank in per_rank:
         assert rank["refused"].startswith(
