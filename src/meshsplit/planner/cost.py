@@ -39,7 +39,13 @@ from meshsplit.planner.schedule_cost import (
     stage_sizes,
 )
 from meshsplit.planner.schedule_cost import simulate_pipeline as simulate_pipeline
-from meshsplit.planner.shared_cores import stage_message_s, stretch_of, time_shared, traffic_s
+from meshsplit.planner.shared_cores import (
+    batch_norm_s,
+    stage_message_s,
+    stretch_of,
+    time_shared,
+    traffic_s,
+)
 from meshsplit.planner.step_extras import (
     accumulate_s_per_byte,
     loss_s,
@@ -105,6 +111,9 @@ class _Stage:
     tp_backward_s: float = 0.0
     ep_forward_s: float = 0.0
     ep_backward_s: float = 0.0
+    dp_forward_s: float = 0.0
+    dp_backward_s: float = 0.0
+    """BatchNorm's blocking collectives over dp inside the forward and the backward."""
     recompute_s: float = 0.0
     accumulate_s: float = 0.0
     """Adding this micro-batch's weight gradients to the earlier ones' (none for the first:
@@ -135,11 +144,11 @@ class _Stage:
 
     @property
     def f(self) -> float:
-        return self.forward_s + self.tp_forward_s + self.ep_forward_s
+        return self.forward_s + self.tp_forward_s + self.ep_forward_s + self.dp_forward_s
 
     @property
     def b(self) -> float:
-        backward = self.backward_s + self.tp_backward_s + self.ep_backward_s
+        backward = self.backward_s + self.tp_backward_s + self.ep_backward_s + self.dp_backward_s
         return backward + self.recompute_s + self.accumulate_s
 
     def weight_s(self, split: bool) -> float:
@@ -191,6 +200,9 @@ def _stages(
             stage.ep_forward_s += dispatch_s(machine, item, rows, plan, stretch, backward=False)
             stage.ep_backward_s += dispatch_s(machine, item, rows, plan, stretch, backward=True)
             stage.ep_bytes += dispatch_bytes(item, rows, plan)
+            norms = item.batch_norm_channels
+            stage.dp_forward_s += batch_norm_s(machine, norms, plan.dp, stretch, backward=False)
+            stage.dp_backward_s += batch_norm_s(machine, norms, plan.dp, stretch, backward=True)
             experts = held_expert_bytes(item, plan)
             held = item.parameter_bytes - item.expert_bytes + experts
             stage.parameter_bytes += held
@@ -204,7 +216,7 @@ def _stages(
             stage.forward_s += loss_s(workload, machine, run[-1], rows, backward=False)
             stage.backward_s += loss_s(workload, machine, run[-1], rows, backward=True)
         if recomputes(plan.recompute, placement[s], plan.pp):
-            stage.recompute_s = stage.forward_s + stage.tp_forward_s + stage.ep_forward_s
+            stage.recompute_s = stage.f  # BatchNorm gathers its statistics again
         if s > 0:
             stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
         if s < last:
@@ -293,7 +305,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
         "recompute": m * st.recompute_s,
         "communication_tp": m * (st.tp_forward_s + st.tp_backward_s),
         "communication_pp": pp_wait,
-        "communication_dp": dp_exposed,
+        "communication_dp": dp_exposed + m * (st.dp_forward_s + st.dp_backward_s),
         "communication_ep": m * (st.ep_forward_s + st.ep_backward_s),
         "bubble": max(0.0, path - overhead - own),
         "optimizer": optimizer,

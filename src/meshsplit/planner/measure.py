@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
+from meshsplit.batchnorm import BatchNorm
 from meshsplit.experts.split import experts_in
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks
@@ -203,6 +204,9 @@ def _items(
                 ),
                 experts_calls=count.experts_calls,
                 dispatch_bytes_per_row=count.dispatch_bytes / high,
+                batch_norm_channels=tuple(
+                    m.num_features for m in part.modules() if isinstance(m, BatchNorm)
+                ),
             )
         )
     engine.close()

@@ -33,6 +33,21 @@ def traffic_s(
     return total
 
 
+def batch_norm_s(
+    machine: Machine, channels: Sequence[int], dp: int, stretch: float, *, backward: bool
+) -> float:
+    """An item's BatchNorms over dp, per micro-batch: each forward all-gathers (count, mean,
+    M2) per channel and each backward all-reduces two sums per channel, blocking; each at
+    least what a collective costs in lockstep on a busy host (in unstretched time)."""
+    if dp <= 1 or not channels:
+        return 0.0
+    operation, per_channel = ("all_reduce", 2) if backward else ("all_gather", 3)
+    link = machine.link(operation, dp)
+    lockstep = machine.lockstep_s.get(dp, 0.0) / stretch
+    floats = per_channel * sum(channels)
+    return len(channels) * max(link.alpha_s, lockstep) + 4 * floats / link.bytes_per_s
+
+
 def stage_message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
     """One activation (or its gradient) to the next stage: the link's price, or at least
     what a message to a waiting rank measured with this many workers (in unstretched time:

@@ -87,6 +87,10 @@ class Item:
     """Bytes of (token, top-k slot) rows the item's experts modules are handed per row,
     summed over them: one all-to-all's payload on a rank under ep (hidden size x top-k x
     tokens per row, in the activation dtype)."""
+    batch_norm_channels: tuple[int, ...] = ()
+    """Channels of each BatchNorm in the item: under dp each one's forward waits for an
+    all-gather of its statistics and its backward for an all-reduce of two sums
+    (batchnorm.py), per micro-batch, whatever the rows."""
 
 
 @dataclass(frozen=True, kw_only=True)
