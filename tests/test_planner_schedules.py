@@ -299,3 +299,15 @@ def test_the_search_cuts_only_where_a_stage_may_begin() -> None:
     fewer = replace(work, cut_starts=(4,))
     refused = [why for plan, why in search(fewer, _machine(), 4).infeasible if plan.pp == 4]
     assert refused and "has 2 between the places a stage may begin; use pp <= 2" in refused[0]
+
+
+def test_zero_bubble_prices_the_forward_rerun_for_b_and_again_for_w() -> None:
+    """Under recompute a chunk that sends gradients back reruns its forward in B and again
+    in W (W's backward calls share one rerun; the first chunk has no B): twice 1F1B's."""
+    work = _workload()
+    recomputed = {"micro_batches": 4, "recompute": "always"}
+    one_f = predict(work, _machine(), ms.Plan(pp=2, **recomputed))
+    zero = predict(work, _machine(), ms.Plan(pp=2, schedule="zero-bubble", **recomputed))
+    assert one_f.terms["recompute"] > 0
+    assert zero.terms["recompute"] == pytest.approx(2 * one_f.terms["recompute"])
+    assert zero.critical_stage == 1

@@ -115,6 +115,8 @@ class _Stage:
     dp_backward_s: float = 0.0
     """BatchNorm's blocking collectives over dp inside the forward and the backward."""
     recompute_s: float = 0.0
+    rerun_s: float = 0.0
+    """W's own rerun of a recomputed forward (split backward, a chunk that B sends back)."""
     accumulate_s: float = 0.0
     """Adding this micro-batch's weight gradients to the earlier ones' (none for the first:
     a step of m pays m - 1, spread over its m backwards)."""
@@ -149,13 +151,13 @@ class _Stage:
     @property
     def b(self) -> float:
         backward = self.backward_s + self.tp_backward_s + self.ep_backward_s + self.dp_backward_s
-        return backward + self.recompute_s + self.accumulate_s
+        return backward + self.recompute_s + self.rerun_s + self.accumulate_s
 
     def weight_s(self, split: bool) -> float:
         """W of one micro-batch: the weight-gradient share of the backward's compute, and
         their accumulation, when the schedule runs it apart (then B is the rest), else
         nothing."""
-        return WEIGHT_SHARE * self.backward_s + self.accumulate_s if split else 0.0
+        return WEIGHT_SHARE * self.backward_s + self.accumulate_s + self.rerun_s if split else 0.0
 
     def gradients(self) -> dict[str, float]:
         """What the dp gradient sync moves of this stage, as `dp_cost.py` takes it."""
@@ -185,7 +187,7 @@ def _stages(
     stretch = stretch_of(machine, plan)
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     last = len(sizes) - 1
-    placement = chunk_placement(plan)
+    placement, split = chunk_placement(plan), splits_backward(plan_actions(plan))
     stages = []
     for s in range(len(sizes)):
         run, stage = items[starts[s] : starts[s + 1]], _Stage()
@@ -217,6 +219,7 @@ def _stages(
             stage.backward_s += loss_s(workload, machine, run[-1], rows, backward=True)
         if recomputes(plan.recompute, placement[s], plan.pp):
             stage.recompute_s = stage.f  # BatchNorm gathers its statistics again
+            stage.rerun_s = stage.f if s > 0 and split else 0.0
         if s > 0:
             stage.input_bytes = _message_bytes(items[starts[s] - 1], plan) * rows
         if s < last:
@@ -302,7 +305,7 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     own = m * (st.f + st.b) + pp_wait + dp_exposed + optimizer
     terms = {
         "compute": m * (st.forward_s + st.backward_s + st.accumulate_s),
-        "recompute": m * st.recompute_s,
+        "recompute": m * (st.recompute_s + st.rerun_s),
         "communication_tp": m * (st.tp_forward_s + st.tp_backward_s),
         "communication_pp": pp_wait,
         "communication_dp": dp_exposed + m * (st.dp_forward_s + st.dp_backward_s),
