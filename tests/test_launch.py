@@ -42,6 +42,27 @@ def test_workers_split_the_cores() -> None:
     assert ms.launch(_threads, 2) == [max(1, cores // 2)] * 2
 
 
+def _keeps_freed_memory() -> bool:
+    from meshsplit.job import allocator
+
+    return allocator.applied
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or bool(os.environ.get("LD_PRELOAD")),
+    reason="glibc's allocator, not a preloaded one",
+)
+def test_workers_keep_the_memory_they_free_unless_told_not_to(monkeypatch) -> None:
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        monkeypatch.delenv(name, raising=False)
+    assert ms.launch(_keeps_freed_memory, 2) == [True, True]
+    monkeypatch.setenv("MESHSPLIT_KEEP_FREED_MEMORY", "0")
+    assert ms.launch(_keeps_freed_memory, 1) == [False]
+    monkeypatch.delenv("MESHSPLIT_KEEP_FREED_MEMORY")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")  # the user's own choice stands
+    assert ms.launch(_keeps_freed_memory, 1) == [False]
+
+
 def _fail_on(rank: int, how: str, folder: str) -> None:
     Path(folder, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
     dist.barrier()

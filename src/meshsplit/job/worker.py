@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.job import desync
+from meshsplit.job.allocator import keep_freed_memory
 from meshsplit.job.context import job_store, join_job_store, run_job
 from meshsplit.job.stacks import StackWatch
 
@@ -118,6 +119,7 @@ def _local_worker(
     kwargs: dict[str, Any],
 ) -> None:
     _die_with_parent()
+    keep_freed_memory()
     faults = fault_log(workdir, rank).open("w")  # open while the process lives
     faulthandler.enable(faults, all_threads=True)
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
