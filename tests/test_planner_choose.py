@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import pytest
 import torch
 from test_memory_estimate import _adam, _batch, _loss, _model
 
 import meshsplit as ms
+from meshsplit.job import allocator
 from meshsplit.pipeline.blocks import piece_names
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
 
@@ -49,6 +52,9 @@ def test_choose_plan_ranks_every_plan_with_terms_memory_and_a_reason() -> None:
     assert all(row.reason and row.reason.startswith(row.plan.describe()) for row in report.rows[1:])
     assert [row.memory_source for row in report.rows[:2]] == ["estimate", "estimate"]
     json.dumps(report.as_dict())  # JSON-ready
+    own_allocator = not sys.platform.startswith("linux") or "LD_PRELOAD" in os.environ
+    if not own_allocator and not any(k.startswith("MALLOC_") for k in os.environ):
+        assert allocator.applied  # the items were timed with the heap kept, as in the workers
 
 
 def test_plans_no_device_count_or_budget_allows_are_plan_errors() -> None:

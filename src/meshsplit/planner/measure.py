@@ -26,6 +26,7 @@ from torch import nn
 from meshsplit.batch import LossFn, call_model, rows, take_rows
 from meshsplit.batchnorm import BatchNorm
 from meshsplit.experts.split import experts_in
+from meshsplit.job.allocator import keep_freed_memory
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
 from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks
 from meshsplit.pipeline.cuts import find_cuts
@@ -58,6 +59,7 @@ def measure_workload(
     under Plan.precision `precision`."""
     if dist.is_initialized():
         raise RuntimeError("measure the workload outside ms.launch (it simulates ranks)")
+    keep_freed_memory()  # time the items with the heap behaving as the workers' will
     inputs, targets = batch
     global_rows = rows(inputs)
     wanted = sizes or [global_rows >> k for k in range(7)]
