@@ -25,7 +25,7 @@ from meshsplit.pipeline.blocks import (
     sizes_at,
 )
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
-from meshsplit.pipeline.partition import balance, check_split, split_words
+from meshsplit.pipeline.partition import balance, balance_runs, check_split, split_words
 from meshsplit.pipeline.profile import LayerCost, NotATensor, profile_layers
 from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
@@ -363,15 +363,9 @@ def _balanced(
             f"{label} needs {stages - 1} cuts, but a stage can begin only at "
             f"{[pieces[k].name for k in cuts]}; use {name} <= {len(segments)}"
         )
-    sizes = balance(
-        [sum(c.total_ms for c in costs[a:b]) for a, b in segments],
-        stages,
-        [any(trainable[a:b]) for a, b in segments],
-        [sum(c.parameter_bytes for c in costs[a:b]) for a, b in segments],
-        virtual_stages,
-    )
-    starts = [sum(sizes[:k]) for k in range(stages + 1)]
-    return tuple(bounds[starts[k + 1]] - bounds[starts[k]] for k in range(stages))
+    total = [c.total_ms for c in costs]
+    held = [c.parameter_bytes for c in costs]
+    return balance_runs(total, segments, stages, trainable, held, virtual_stages)
 
 
 class _SpineProgram:

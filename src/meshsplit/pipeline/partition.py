@@ -56,6 +56,27 @@ def balance(
     return _min_max_split(memory, stages, anchors, costs, bound)
 
 
+def balance_runs(
+    costs: Sequence[float],
+    runs: Sequence[tuple[int, int]],
+    stages: int,
+    anchors: Sequence[bool],
+    memory: Sequence[float] | None = None,
+    virtual_stages: int = 1,
+) -> tuple[int, ...]:
+    """`balance` where a stage may begin only at some items: over `runs` ([start, stop) of
+    items a stage takes whole, in order, covering every item), as items per stage."""
+    sizes = balance(
+        [sum(costs[a:b]) for a, b in runs],
+        stages,
+        [any(anchors[a:b]) for a, b in runs],
+        None if memory is None else [sum(memory[a:b]) for a, b in runs],
+        virtual_stages,
+    )
+    ends = [runs[sum(sizes[: k + 1]) - 1][1] for k in range(stages)]
+    return tuple(b - a for a, b in zip([0, *ends], ends, strict=False))
+
+
 def _min_max_split(
     values: Sequence[float],
     stages: int,

@@ -46,11 +46,9 @@ def dispatch_s(
     (in unstretched time, as tp traffic)."""
     if plan.ep <= 1 or not item.experts_calls:
         return 0.0
-    link = machine.link("all_to_all", plan.ep)
-    lockstep = machine.lockstep_s.get(plan.ep, 0.0) / stretch
     calls = item.experts_calls * (BACKWARD_ALL_TO_ALLS if backward else FORWARD_ALL_TO_ALLS)
     payload = PAYLOAD_ALL_TO_ALLS * item.dispatch_bytes_per_row * rows
-    return calls * max(link.alpha_s, lockstep) + payload / link.bytes_per_s
+    return machine.blocking_s("all_to_all", plan.ep, calls, payload, stretch)
 
 
 def dispatch_bytes(item: Item, rows: float, plan: Plan) -> float:

@@ -72,6 +72,16 @@ class Machine:
             return 0.0
         return self.link(operation, group_size).seconds(nbytes)
 
+    def blocking_s(
+        self, operation: str, group_size: int, calls: float, nbytes: float, stretch: float
+    ) -> float:
+        """`calls` blocking collectives moving `nbytes` in all over `group_size` ranks inside
+        a busy step: each at least what one costs in lockstep on this host when every worker
+        works between them (in unstretched time: the step is stretched by `stretch` later)."""
+        link = self.link(operation, group_size)
+        lockstep = self.lockstep_s.get(group_size, 0.0) / stretch
+        return calls * max(link.alpha_s, lockstep) + nbytes / link.bytes_per_s
+
     def slowdown(self, workers: int) -> float:
         """Compute-time factor with `workers` busy at once (measured, else cores-based)."""
         if workers in self.compute_slowdown:

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshsplit.pipeline.partition import balance
+from meshsplit.pipeline.partition import balance_runs
 from meshsplit.pipeline.schedules import Action, Schedule, chunk_ranks, schedule
 from meshsplit.plan import Plan
 from meshsplit.planner.workload import Item
@@ -48,43 +48,31 @@ class Interval:
 
 
 def stage_sizes(
-    items: Sequence[Item],
-    plan: Plan,
-    rows: float,
-    segments: Sequence[tuple[int, int]] | None = None,
+    items: Sequence[Item], plan: Plan, rows: float, runs: Sequence[tuple[int, int]]
 ) -> tuple[int, ...]:
     """The plan's stages (chunks when interleaved), or the split the engine balances on
-    these costs, cutting only between `segments` (runs of items a stage takes whole: the
-    places a stage may begin; None: anywhere)."""
+    these costs, cutting only between `runs` (of items a stage takes whole: from one place a
+    stage may begin to the next, `Workload.segments`)."""
     if plan.stages is not None:
         return tuple(plan.stages)
     if plan.pp == 1:
         return (len(items),)
     costs = tuple(item.forward.at(rows) + item.backward.at(rows) for item in items)
     trainable = tuple(item.trainable for item in items)
-    runs = tuple(segments) if segments is not None else tuple((k, k + 1) for k in range(len(items)))
-    return _balanced(costs, plan.pp * plan.virtual_stages, trainable, plan.virtual_stages, runs)
+    chunks = plan.pp * plan.virtual_stages
+    return _balanced(costs, tuple(runs), chunks, trainable, plan.virtual_stages)
 
 
 @functools.lru_cache(maxsize=256)
 def _balanced(
     costs: tuple[float, ...],
+    runs: tuple[tuple[int, int], ...],
     chunks: int,
     trainable: tuple[bool, ...],
     virtual_stages: int,
-    runs: tuple[tuple[int, int], ...],
 ) -> tuple[int, ...]:
-    """`balance` over the runs, in items; once per split: the search prices many plans on
-    the same one."""
-    sizes = balance(
-        [sum(costs[a:b]) for a, b in runs],
-        chunks,
-        [any(trainable[a:b]) for a, b in runs],
-        virtual_stages=virtual_stages,
-    )
-    ends = [sum(sizes[: k + 1]) for k in range(chunks)]
-    bounds = [0] + [runs[end - 1][1] for end in ends]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    """`balance_runs`, once per split: the search prices many plans on the same one."""
+    return balance_runs(costs, runs, chunks, trainable, virtual_stages=virtual_stages)
 
 
 def _pipeline(plan: Plan) -> tuple[str, int, int, int]:

@@ -25,12 +25,10 @@ def traffic_s(
     one costs in lockstep on a host whose workers are all busy (in unstretched time)."""
     if width <= 1:
         return 0.0
-    total = 0.0
-    lockstep = machine.lockstep_s.get(width, 0.0) / stretch
-    for t in traffic:
-        link = machine.link(t.operation, width)
-        total += t.calls * max(link.alpha_s, lockstep) + t.bytes_per_row * rows / link.bytes_per_s
-    return total
+    return sum(
+        machine.blocking_s(t.operation, width, t.calls, t.bytes_per_row * rows, stretch)
+        for t in traffic
+    )
 
 
 def batch_norm_s(
@@ -42,10 +40,8 @@ def batch_norm_s(
     if dp <= 1 or not channels:
         return 0.0
     operation, per_channel = ("all_reduce", 2) if backward else ("all_gather", 3)
-    link = machine.link(operation, dp)
-    lockstep = machine.lockstep_s.get(dp, 0.0) / stretch
     floats = per_channel * sum(channels)
-    return len(channels) * max(link.alpha_s, lockstep) + 4 * floats / link.bytes_per_s
+    return machine.blocking_s(operation, dp, len(channels), 4 * floats, stretch)
 
 
 def stage_message_s(machine: Machine, plan: Plan, nbytes: float) -> float:
