@@ -9,12 +9,15 @@ import random
 import statistics
 
 import pytest
+import torch
+from torch import nn
 
 from meshsplit.plan import PlanError
 from meshsplit.planner import calibrate
 from meshsplit.planner.calibrate import cache_file, cached_machine, machine_key, measure_machine
 from meshsplit.planner.fit import collective_seconds, compute_slowdown, fit_link
 from meshsplit.planner.machine import OPERATIONS, Link, Machine
+from meshsplit.planner.sharing import LOCKSTEP_PAYLOADS, measure_sharing, trials_slowdown
 
 ALPHA, BETA = 80e-6, 1.5e9
 SIZES = [int(2 ** (10 + 13 * i / 7)) for i in range(8)]
@@ -166,3 +169,25 @@ def test_measures_this_machine_once_then_reads_the_cache(tmp_path, monkeypatch) 
 
     monkeypatch.setattr(calibrate, "measure_machine", no_measuring)
     assert cached_machine((2,), cache_dir=tmp_path, backend="gloo") == machine
+
+
+def test_sharing_times_a_blocking_all_reduce_at_every_payload_in_real_workers() -> None:
+    """What a collective costs busy ranks is measured per payload (the price per byte in
+    lockstep is not the idle link's), and a larger payload is never priced below a smaller."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    batch = (torch.randn(16, 8), torch.randint(0, 8, (16,)))
+    sharing = measure_sharing(model, batch, 2, cores=2, window_s=0.02)
+    points = sharing.lockstep_s[2]
+    assert [nbytes for nbytes, _ in points] == [float(n) for n in LOCKSTEP_PAYLOADS]
+    seconds = [s for _, s in points]
+    assert seconds == sorted(seconds) and seconds[-1] > 0
+    assert sharing.slowdown >= 1.0
+    machine = Machine(name="busy", links={}, lockstep_s=sharing.lockstep_s)
+    assert Machine.from_dict(json.loads(machine.to_json())) == machine
+
+
+def test_the_sharing_slowdown_is_the_median_trial_of_the_slowest_worker() -> None:
+    alone = [10.0, 10.0, 20.0]  # the third trial's lone steps ran in a burst of other load
+    together = [[12.0, 30.0, 22.0], [13.0, 11.0, 21.0]]  # worker 0's second window too
+    assert trials_slowdown(alone, together) == pytest.approx(1.3)  # of 1.3, 3.0, 1.1
+    assert trials_slowdown([10.0], [[9.0], [8.0]]) == 1.0  # never faster than alone

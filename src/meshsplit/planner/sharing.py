@@ -41,9 +41,10 @@ class Sharing:
     message_s: float
     """One small message between the stages of a pipeline of every worker, as the cost
     model's schedule replay must price it to match a real one (see `_pipeline_message_s`)."""
-    lockstep_s: dict[int, float]
-    """group size -> what one small blocking collective adds to a rank when every worker is
-    busy between collectives (an operator split): its peers must first get a core."""
+    lockstep_s: dict[int, tuple[tuple[float, float], ...]]
+    """group size -> (bytes per rank, seconds) a blocking all-reduce of that payload adds to
+    a rank when every worker is busy between collectives (an operator split): its peers
+    must first get a core, at every hop of the collective."""
 
 
 def measure_sharing(
@@ -62,14 +63,27 @@ def measure_sharing(
     ranks understates what a message or a collective costs when the ranks compete for cores.
     """
     results = launch(_plain_steps, workers, args=(model, batch, optimizer, loss_fn, window_s))
-    alone, sizes = results[0][0], results[0][3]
+    sizes = results[0][3]
     return Sharing(
-        slowdown=max(1.0, max(r[1] for r in results) / alone),
+        slowdown=trials_slowdown(results[0][0], [r[1] for r in results]),
         message_s=_message_s_matching(
             Plan(pp=workers, micro_batches=2 * workers), results[0][2], cores
         ),
-        lockstep_s={size: max(r[3][size] for r in results) for size in sizes},
+        lockstep_s={size: _slowest([r[3][size] for r in results]) for size in sizes},
     )
+
+
+def trials_slowdown(alone: list[float], together: list[list[float]]) -> float:
+    """The median over trials of the slowest worker's step (`together[worker][trial]`) over
+    the step alone in the same trial, never below 1: a burst of the host's other load in
+    one window moves one trial, not the median."""
+    slowest = [max(steps[trial] for steps in together) for trial in range(len(alone))]
+    return max(1.0, statistics.median(s / a for s, a in zip(slowest, alone, strict=True)))
+
+
+def _slowest(tables: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
+    """Per payload, the slowest rank's seconds: a collective ends when its last rank's does."""
+    return tuple((points[0][0], max(p[1] for p in points)) for points in zip(*tables, strict=True))
 
 
 def _plain_steps(
@@ -78,16 +92,21 @@ def _plain_steps(
     optimizer: OptimizerFactory | None,
     loss_fn: LossFn | None,
     window_s: float,
-) -> tuple[float, float, Bursts, dict[int, float]]:
-    """Runs in each worker: rank 0's step time alone while the others wait in a barrier (in
-    the job, so no process outside it is still starting or ending), every rank's with all
-    of them stepping at once, a pipeline's bursts and how long it lasted, and the seconds of a
-    collective in lockstep."""
+    trials: int = 3,
+) -> tuple[list[float], list[float], Bursts, dict[int, tuple[tuple[float, float], ...]]]:
+    """Runs in each worker, `trials` times in turn: rank 0's step time alone while the others
+    wait in a barrier (in the job, so no process outside it is still starting or ending),
+    then every rank's with all of them stepping at once; then a pipeline's bursts and how
+    long it lasted, and the seconds of a collective in lockstep. In turn, because a burst of
+    the host's other load in one window moved a single pair's ratio between 1.0 and 1.4."""
     workers = dist.get_world_size()
     step = _plain_step(model, batch, optimizer, loss_fn, workers)
-    alone = _mean_step_s(step, window_s) if not dist.get_rank() else 0.0
-    dist.barrier()  # the others start together: without it the first would step alone
-    together = _mean_step_s(step, window_s)
+    alone, together = [], []
+    for _ in range(trials):
+        alone.append(_mean_step_s(step, window_s) if not dist.get_rank() else 0.0)
+        dist.barrier()  # the others start together: without it the first would step alone
+        together.append(_mean_step_s(step, window_s))
+        dist.barrier()  # rank 0 steps alone again only once the others stopped
     return alone, together, _pipeline_bursts(), _lockstep_s()
 
 
@@ -234,15 +253,20 @@ def _message_s_matching(plan: Plan, bursts: Bursts, cores: int) -> float:
 _LOCKSTEP_MATMULS = 1
 """The work between two collectives: ~0.4 ms on one core, an operator-split layer's worth."""
 
+LOCKSTEP_PAYLOADS = (4, 64 << 10, 512 << 10, 2 << 20)
+"""Bytes per rank of the all-reduces timed in lockstep: a token, and the sizes of the
+activations an operator split reduces in a small model's step."""
 
-def _lockstep_s(rounds: int = 30) -> dict[int, float]:
-    """Per group size (pairs, and every rank): seconds a small all-reduce adds after each
-    burst of work when every rank works and then synchronises, less the burst run by all
-    ranks at once without synchronising."""
+
+def _lockstep_s(rounds: int = 30) -> dict[int, tuple[tuple[float, float], ...]]:
+    """Per group size (pairs, and every rank), per payload: seconds an all-reduce adds after
+    each burst of work when every rank works and then synchronises, less the burst run by
+    all ranks at once without synchronising (the mean: a step pays every one). Larger
+    payloads never cost less than smaller ones (the noise between them is not a saving)."""
     world = dist.get_world_size()
     if world == 1:
         return {}
-    rank, token, work = dist.get_rank(), torch.zeros(1), torch.randn(256, 256)
+    rank, work = dist.get_rank(), torch.randn(256, 256)
     bound = job_timeout(torch.device("cpu"))  # new_group's default would be 30 minutes
     pairs = [dist.new_group([2 * i, 2 * i + 1], timeout=bound) for i in range(world // 2)]
     groups = {2: pairs[rank // 2] if rank < 2 * len(pairs) else None, world: None}
@@ -251,12 +275,17 @@ def _lockstep_s(rounds: int = 30) -> dict[int, float]:
     loaded = _burst_s(work, _LOCKSTEP_MATMULS, rounds)
     result = {}
     for size, group in sorted(groups.items()):
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(rounds):
-            _matmuls(work, _LOCKSTEP_MATMULS)
-            dist.all_reduce(token, group=group)
-        result[size] = max(0.0, (time.perf_counter() - started) / rounds - loaded)
+        points, least = [], 0.0
+        for payload in LOCKSTEP_PAYLOADS:
+            message = torch.zeros(payload // 4)
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(rounds):
+                _matmuls(work, _LOCKSTEP_MATMULS)
+                dist.all_reduce(message, group=group)
+            least = max(least, (time.perf_counter() - started) / rounds - loaded)
+            points.append((float(payload), least))
+        result[size] = tuple(points)
     return result
 
 
