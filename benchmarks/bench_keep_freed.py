@@ -11,12 +11,13 @@ import argparse
 import os
 import resource
 import statistics
-import time
 from typing import Any
 
 from bench_planner_unseen import MODELS, _model, _optimizer
 
 import meshsplit as ms
+
+from rounds import median_step
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("gpt2", {"dp": 2}),
@@ -34,13 +35,9 @@ def _run(name: str, plan: ms.Plan, steps: int) -> tuple[float, int]:
     inputs, targets = MODELS[name][1]()
     engine = ms.parallelize(_model(name), plan, optimizer=_optimizer, loss_fn=MODELS[name][2]())
     engine.memory.track = False
-    times = []
-    for _ in range(steps + 3):
-        started = time.perf_counter()
-        engine.train_step(inputs, targets)
-        times.append(time.perf_counter() - started)
+    seconds = median_step(lambda: engine.train_step(inputs, targets), steps, untimed=3)
     engine.close()
-    return statistics.median(times[3:]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
 def _launch(name: str, plan: ms.Plan, steps: int, keep: bool) -> tuple[float, int]:

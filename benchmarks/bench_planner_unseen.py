@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ import torch
 from torch import nn
 
 import meshsplit as ms
+
+from rounds import median_step
 
 
 class _ResidualBlock(nn.Module):
@@ -123,13 +124,9 @@ def _timed(name: str, plan: ms.Plan, steps: int) -> float:
     inputs, targets = MODELS[name][1]()
     engine = ms.parallelize(_model(name), plan, optimizer=_optimizer, loss_fn=MODELS[name][2]())
     engine.memory.track = False
-    times = []
-    for _ in range(steps + 2):
-        started = time.perf_counter()
-        engine.train_step(inputs, targets)
-        times.append(time.perf_counter() - started)
+    seconds = median_step(lambda: engine.train_step(inputs, targets), steps, untimed=2)
     engine.close()
-    return statistics.median(times[2:])
+    return seconds
 
 
 def _case(name: str, devices: int, steps: int, recompute: bool) -> dict[str, Any]:

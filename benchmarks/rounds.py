@@ -6,6 +6,7 @@ run instead of one; each run's time is then its median round.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,3 +35,16 @@ def take_turns(
         for name in order:
             times[name].append(seconds_per_step(runs[name], steps))
     return times
+
+
+def median_step(train_step: Callable[[], Any], steps: int, untimed: int) -> float:
+    """The median seconds of `steps` calls of `train_step` after `untimed` ones (first
+    shapes, buffers, the heap grown), each timed alone: a median shrugs off a slow one."""
+    for _ in range(untimed):
+        train_step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
