@@ -60,6 +60,9 @@ class Cuts:
     output: str
     source: str
     programs: Callable[[int], Program]
+    cut_starts: tuple[int, ...] | None = None
+    """The items a balanced split may begin a stage at (block pieces); None for traced
+    layers (anywhere) and for a split the plan pinned (not looked for)."""
 
     @property
     def starts(self) -> list[int]:
@@ -302,14 +305,14 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
     costs = agree(measured)
     trainable = [any(p.requires_grad for p in x.module.parameters()) for x in pieces]
     spine = Spine(model, pieces)
+    positions = None
     if plan.split_points is not None:
         sizes = sizes_at(pieces, plan.split_points)
     elif plan.stages is not None:
         sizes = plan.stages
     else:
-        sizes = _balanced(
-            costs, trainable, cut_positions(spine, example), chunks, pieces, plan.virtual_stages
-        )
+        positions = tuple(cut_positions(spine, example))
+        sizes = _balanced(costs, trainable, positions, chunks, pieces, plan.virtual_stages)
     refuse_stages_without_parameters([x.name for x in pieces], trainable, sizes)
     check_chain(spine, sizes, example)
     starts = [sum(sizes[:k]) for k in range(chunks + 1)]
@@ -339,6 +342,7 @@ def _from_blocks(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cu
         output="output",
         source=f"blocks ({', '.join(blocks.lists)})",
         programs=program,
+        cut_starts=positions,
     )
 
 

@@ -28,9 +28,7 @@ from meshsplit.batchnorm import BatchNorm
 from meshsplit.experts.split import experts_in
 from meshsplit.job.allocator import keep_freed_memory
 from meshsplit.memory.report import optimizer_tensors, tensor_bytes
-from meshsplit.pipeline.blocks import find_blocks, has_nested_blocks
 from meshsplit.pipeline.cuts import find_cuts
-from meshsplit.pipeline.spine import Spine, cut_positions
 from meshsplit.plan import Plan, PlanError
 from meshsplit.planner.counting import autocast_of, count_items
 from meshsplit.planner.simulate import fake_group
@@ -68,17 +66,21 @@ def measure_workload(
     torch.set_num_threads(threads or threads_before)
     items: dict[int, tuple[Item, ...]] = {}
     refused: dict[int, str] = {}
+    starts: tuple[int, ...] | None = None  # where a stage may begin: anywhere unless found
     try:
         sizes, too_few = _runnable_sizes(model, inputs, targets, sizes, loss_fn, precision)
         for width in widths:
             try:
                 with fake_group(0, width):
-                    items[width] = _items(model, inputs, targets, width, sizes, loss_fn, precision)
+                    items[width], found = _items(
+                        model, inputs, targets, width, sizes, loss_fn, precision
+                    )
             except PlanError as error:
                 refused[width] = str(error)
+            else:
+                starts = found if width == 1 else starts
         with fake_group(0, 1):
             whole = _whole_step(model, inputs, targets, optimizer, loss_fn, items.get(1), precision)
-            starts = _cut_starts(model, take_rows(inputs, slice(0, sizes[0])), items.get(1))
     finally:
         torch.set_rng_state(rng)
         torch.set_num_threads(threads_before)
@@ -93,24 +95,6 @@ def measure_workload(
         cut_starts=starts,
         **whole,
     )
-
-
-def _cut_starts(
-    model: nn.Module, example: Any, items: tuple[Item, ...] | None
-) -> tuple[int, ...] | None:
-    """The items a stage may begin at, as the layer split finds them, when the items are the
-    pieces of the model's block lists (the runtime cuts at pinned stages there only where
-    one cut keeps the model's output); None (anywhere) for traced layers."""
-    if items is None or not has_nested_blocks(model):
-        return None
-    model = copy.deepcopy(model)
-    try:
-        pieces = find_blocks(model, example).pieces
-    except PlanError:
-        return None
-    if [piece.name for piece in pieces] != [item.name for item in items]:
-        return None
-    return tuple(cut_positions(Spine(model, pieces), example))
 
 
 def _runnable_sizes(
@@ -164,7 +148,9 @@ def _items(
     sizes: list[int],
     loss_fn: LossFn | None,
     precision: str,
-) -> tuple[Item, ...]:
+) -> tuple[tuple[Item, ...], tuple[int, ...] | None]:
+    """The items at tp `width`, and the items a stage may begin at (the layer split's own
+    answer for block pieces, found as it balanced them; None: anywhere)."""
     engine = _split(model, width, loss_fn, inputs, precision)
     module = engine.module
     with autocast_of(engine):
@@ -212,7 +198,7 @@ def _items(
             )
         )
     engine.close()
-    return tuple(result)
+    return tuple(result), cuts.cut_starts
 
 
 def _whole_step(
@@ -238,7 +224,10 @@ def _whole_step(
     with torch.no_grad(), autocast_of(engine):
         output = call_model(engine.module, inputs)  # what the loss reads, made once
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
-    steps, optimizer_s, accumulate_s, loss_s = [], [], [], []
+    steps: list[float] = []
+    optimizer_s: list[float] = []
+    accumulate_s: list[float] = []
+    loss_s: list[tuple[float, float]] = []
     started_all = time.perf_counter()
     while len(steps) <= repeats or time.perf_counter() - started_all < window_s:
         started = time.perf_counter()
