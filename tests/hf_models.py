@@ -157,6 +157,18 @@ MORE: dict[str, Callable[[], nn.Module]] = {
     # Gemma 3: per-head q_norm/k_norm between q_proj and o_proj, on each rank's heads only
     "gemma3": _causal("Gemma3ForCausalLM", "Gemma3TextConfig", **_GQA, head_dim=8),
     "qwen3": _causal("Qwen3ForCausalLM", "Qwen3Config", **_GQA, head_dim=8),
+    # Gemma 2: attention logits soft-capped, every other layer a sliding window
+    "gemma2": _causal("Gemma2ForCausalLM", "Gemma2Config", **_GQA, head_dim=8, sliding_window=8),
+    # Mamba: no attention; a selective state-space scan between in_proj and out_proj
+    "mamba": _causal(
+        "MambaForCausalLM",
+        "MambaConfig",
+        hidden_size=32,
+        num_hidden_layers=4,
+        state_size=8,
+        expand=2,
+        conv_kernel=4,
+    ),  # fmt: skip
     # FNet: its own forward reads the embeddings' token_type_ids buffer on every stage
     "fnet": _causal(
         "FNetForMaskedLM",
