@@ -247,6 +247,25 @@ def test_a_blocking_collective_costs_what_one_of_its_payload_did_in_lockstep() -
         )
 
 
+def test_the_exchange_that_ends_a_step_is_priced_unless_it_rides_the_gradients() -> None:
+    """Every step ends in one small all-reduce over the mesh (the mean loss, the non-finite
+    flags, the batch check), 4-7 ms on 4 workers sharing 2 cores here; under data parallel
+    alone in float32 it rides the first gradient bucket instead."""
+    work = _workload(items=8, widths=(1, 2))
+    busy = replace(_machine(alpha=1e-4, rate=1e9), lockstep_s={2: ((4.0, 5e-3),)})
+    paying = 5e-3 + (8 * 11 - 4) / 1e9
+    for plan, extra in (
+        (ms.Plan(), 0.0),
+        (ms.Plan(dp=2), 0.0),
+        (ms.Plan(dp=2, zero=1), 0.0),
+        (ms.Plan(dp=2, zero=2), paying),  # FSDP2's reductions carry nothing
+        (ms.Plan(dp=2, reduce_dtype="bf16"), paying),  # the loss would lose its digits
+        (ms.Plan(tp=2), paying),
+        (ms.Plan(pp=2, micro_batches=2), paying),
+    ):
+        assert predict(work, busy, plan).terms["overhead"] == pytest.approx(extra, rel=1e-6), plan
+
+
 def test_batchnorm_over_dp_waits_for_its_collectives_in_each_micro_batch() -> None:
     """Each BatchNorm under dp all-gathers its statistics in forward and all-reduces two sums
     in backward, blocking, per micro-batch: a ResNet-style model's dp2 step ran 20-40%

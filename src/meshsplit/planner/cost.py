@@ -280,9 +280,9 @@ def predict(workload: Workload, machine: Machine, plan: Plan) -> Prediction:
     for s, st in enumerate(stages):
         dp_exposed, optimizer = _sync_s(workload, machine, plan, st, overlap * st.b)
         totals.append((finish[s] + dp_exposed + optimizer, dp_exposed, optimizer))
-    overhead = overhead_s(workload, machine)
-    path = max(total for total, _, _ in totals) + overhead
     stretch = stretch_of(machine, plan)
+    overhead = overhead_s(workload, machine, plan, stretch)
+    path = max(total for total, _, _ in totals) + overhead
     step = path * stretch  # every core busy: waits and work all stretch
     if stretch > 1.0 and plan.pp > 1:  # ...but a pipeline's idle ranks lend their cores
         intervals = time_shared(machine, plan, times, stretch)

@@ -87,7 +87,10 @@ def reason(row: Prediction, best: Prediction, machine: Machine) -> str:
             f"the optimizer step takes {_ms(terms['optimizer'])} against "
             f"{_ms(best.terms['optimizer'])}"
         ),
-        "overhead": f"the engine's own work takes {_ms(terms['overhead'])}",
+        "overhead": (
+            f"the engine's own work and the exchange that ends each step take "
+            f"{_ms(terms['overhead'])}"
+        ),
     }
     return (
         f"{plan.describe()}: {sentences[term]}{_expert_split(row, best, term)} "

@@ -8,6 +8,8 @@ memory bandwidth, and the host's bookkeeping is left out. Numbers in, numbers ou
 
 from __future__ import annotations
 
+from meshsplit.job.nonfinite import RIDERS
+from meshsplit.plan import Plan
 from meshsplit.planner.machine import Machine
 from meshsplit.planner.workload import Item, Workload
 
@@ -51,9 +53,31 @@ def accumulate_s_per_byte(workload: Workload, machine: Machine) -> float:
     return ACCUMULATE_PASSES / machine.memory_bytes_per_s
 
 
-def overhead_s(workload: Workload, machine: Machine) -> float:
+def overhead_s(workload: Workload, machine: Machine, plan: Plan, stretch: float) -> float:
     """What a step adds beyond its items, loss and optimizer: this host's engine bookkeeping
-    and the small operations between items; none on paper, where that is this CPU's time
-    (a bf16 autocast on a CPU made it 100x the MoE's priced step on a DGX H100), and a GPU
-    runs those operations as kernels the host queues ahead (they are not priced there)."""
-    return 0.0 if machine.flop_per_s is not None else workload.step_overhead_s
+    and the small operations between items (none on paper, where that is this CPU's time:
+    a bf16 autocast on a CPU made it 100x the MoE's priced step on a DGX H100, and a GPU
+    runs those operations as kernels the host queues ahead), and the exchange that ends the
+    step (in unstretched time)."""
+    host = 0.0 if machine.flop_per_s is not None else workload.step_overhead_s
+    return host + agreement_s(machine, plan, stretch)
+
+
+AGREEMENT_BYTES = 8 * (RIDERS + 1)
+"""The numbers the step's closing all-reduce sums (the loss, the flags, the batch check)."""
+
+
+def agreement_s(machine: Machine, plan: Plan, stretch: float) -> float:
+    """The exchange that ends every step (`runtime/agreement.py`): one small blocking
+    all-reduce over the mesh, at the lockstep price of a busy host (4 workers on 2 cores:
+    4-7 ms here), except under data parallel alone in float32, where it rides the first
+    gradient bucket's all-reduce and costs nothing of its own."""
+    rides = (
+        plan.pp == plan.tp == plan.ep == 1
+        and plan.zero <= 1
+        and plan.sync == "allreduce"
+        and plan.reduce_dtype == "fp32"
+    )
+    if plan.mesh_size <= 1 or rides:
+        return 0.0
+    return machine.blocking_s("all_reduce", plan.mesh_size, 1, AGREEMENT_BYTES, stretch)
