@@ -5,9 +5,10 @@ plan for real and the planner predicts each beside it (same model, batch and mac
 ROUNDS rounds one after the other: each round measures the model and the machine afresh,
 predicts, and runs every plan again. A plan's measured step is the mean of its rounds'
 medians; each round's predictions are scored against it. Printed per (model, workers): the
-step-time MAPE (mean over rounds), how far one round's measurement of the same plans was
-from the other's (the measurement's own repeatability on this host: no prediction can be
-expected to beat it), the largest per-rank memory error, and whether each round's predicted
+step-time MAPE (mean over rounds), each round's MAPE against its own run alone, how far one
+round's measurement of the same plans was from the other's (the measurement's own
+repeatability on this host: no prediction can be expected to beat it), the largest per-rank
+memory error, and whether each round's predicted
 best ran within 5% of the fastest. Figures go to benchmarks/README.md.
 """
 
@@ -51,6 +52,7 @@ def _case(model: str, devices: int) -> dict[str, Any]:
         "model": model,
         "devices": devices,
         "step_time_mape": statistics.mean(_mape(guess, measured) for guess in predicted),
+        "own_round_mape": [_mape(guess, run) for guess, run in zip(predicted, step, strict=True)],
         "round_to_round": _mape({p: step[-1][p] for p in plans}, {p: step[0][p] for p in plans}),
         "largest_memory_error": max(accuracy(rows)["largest_memory_error"] for rows in rounds),
         "predicted_best": chosen,
@@ -69,6 +71,8 @@ def main() -> None:
             results.append(case)
             print(
                 f"{model:12s} {devices} workers: MAPE {100 * case['step_time_mape']:5.1f}%  "
+                f"each against its own round "
+                f"{' / '.join(f'{100 * m:4.1f}%' for m in case['own_round_mape'])}  "
                 f"round to round {100 * case['round_to_round']:5.1f}%  memory error "
                 f"{100 * case['largest_memory_error']:4.1f}%  measured best "
                 f"{case['measured_best']:22s} predicted best within 5%: {case['within_5pct']}",
@@ -79,8 +83,10 @@ def main() -> None:
                       f"(mean {mean * 1e3:6.1f}) ms  predicted "
                       f"{' / '.join(f'{g * 1e3:6.1f}' for g in guesses)} ms")  # fmt: skip
     hits = [hit for r in results for hit in r["within_5pct"]]
+    own = [statistics.mean(r["own_round_mape"][k] for r in results) for k in range(ROUNDS)]
     print(
         f"overall: mean MAPE {100 * statistics.mean(r['step_time_mape'] for r in results):.1f}% "
+        f"(each round against its own run: {' / '.join(f'{100 * m:.1f}%' for m in own)}) "
         f"(round to round {100 * statistics.mean(r['round_to_round'] for r in results):.1f}%), "
         f"predicted best within 5% in {sum(hits)}/{len(hits)} predictions "
         f"({len(results)} cases x {ROUNDS} rounds)"
