@@ -102,14 +102,25 @@ def _sync(
     )
 
 
-def _riders(plan: Plan, params: list[nn.Parameter], reduce_dtype: torch.dtype | None) -> int:
+def rides_gradient_buckets(plan: Plan) -> bool:
+    """Whether the step's agreement (`runtime/agreement.py`) rides the first gradient
+    bucket's all-reduce under `plan`, for trainable parameters of float32 or wider: when
+    all-reduced buckets are the step's only exchange (data parallel alone, no sharded
+    gradients, summed in float32: the loss keeps its digits). Else it sends its own."""
+    return (
+        plan.pp == plan.tp == plan.ep == 1
+        and plan.sync == "allreduce"
+        and plan.zero <= 1
+        and REDUCE_DTYPES[plan.reduce_dtype] is None
+    )
+
+
+def _riders(plan: Plan, params: list[nn.Parameter]) -> int:
     """How many numbers the step's agreement puts in the first gradient bucket: all of them
-    when the buckets are the step's only exchange (data parallel alone, summed in float32 or
-    wider: the loss keeps its digits), else none (it sends them on its own)."""
-    alone = plan.pp == 1 and plan.tp == 1 and plan.ep == 1 and not plan.asynchronous
+    where it rides the buckets (`rides_gradient_buckets`), else none."""
     trainable = [p for p in params if p.requires_grad]
     wide = all(p.dtype in (torch.float32, torch.float64) for p in trainable)
-    return RIDERS if alone and wide and reduce_dtype is None and trainable else 0
+    return RIDERS if rides_gradient_buckets(plan) and wide and trainable else 0
 
 
 @dataclass
@@ -198,7 +209,7 @@ def training_state(
         return TrainingState(split, stepper, make_optimizer, True)
     if plan.zero == 0 and dist.get_world_size(group) == 1:
         return TrainingState(LocalGradients(params), make_optimizer(params), make_optimizer, True)
-    sync = _sync(params, group, plan, reduce_dtype, _riders(plan, params, reduce_dtype))
+    sync = _sync(params, group, plan, reduce_dtype, _riders(plan, params))
     if plan.zero == 1:
         return TrainingState(
             sync, shard_optimizer(make_optimizer, params, group), make_optimizer, True

@@ -79,8 +79,9 @@ class Machine:
         self, operation: str, group_size: int, calls: float, nbytes: float, stretch: float
     ) -> float:
         """`calls` blocking collectives moving `nbytes` in all over `group_size` ranks inside
-        a busy step: each at least what one costs in lockstep on this host when every worker
-        works between them (in unstretched time: the step is stretched by `stretch` later)."""
+        a busy step: each at least what one of its payload costs in lockstep on this host
+        when every worker works between them (in unstretched time: the step is stretched by
+        `stretch` later)."""
         link = self.link(operation, group_size)
         if calls <= 0:
             return nbytes / link.bytes_per_s

@@ -8,6 +8,7 @@ memory bandwidth, and the host's bookkeeping is left out. Numbers in, numbers ou
 
 from __future__ import annotations
 
+from meshsplit.data_parallel.sync import rides_gradient_buckets
 from meshsplit.job.nonfinite import RIDERS
 from meshsplit.plan import Plan
 from meshsplit.planner.machine import Machine
@@ -70,14 +71,9 @@ AGREEMENT_BYTES = 8 * (RIDERS + 1)
 def agreement_s(machine: Machine, plan: Plan, stretch: float) -> float:
     """The exchange that ends every step (`runtime/agreement.py`): one small blocking
     all-reduce over the mesh, at the lockstep price of a busy host (4 workers on 2 cores:
-    4-7 ms here), except under data parallel alone in float32, where it rides the first
-    gradient bucket's all-reduce and costs nothing of its own."""
-    rides = (
-        plan.pp == plan.tp == plan.ep == 1
-        and plan.zero <= 1
-        and plan.sync == "allreduce"
-        and plan.reduce_dtype == "fp32"
-    )
-    if plan.mesh_size <= 1 or rides:
+    4-7 ms here), except where it rides the first gradient bucket's all-reduce (data
+    parallel alone in float32; the model's trainable parameters taken as float32) and
+    costs nothing of its own."""
+    if plan.mesh_size <= 1 or rides_gradient_buckets(plan):
         return 0.0
     return machine.blocking_s("all_reduce", plan.mesh_size, 1, AGREEMENT_BYTES, stretch)
