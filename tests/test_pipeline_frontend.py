@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +16,7 @@ from meshsplit.pipeline.cuts import refuse_stages_without_parameters
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.p2p import TensorMeta, decode, encode
 from meshsplit.pipeline.profile import profile_layers
-from meshsplit.pipeline.stage import plan_routes
+from meshsplit.pipeline.program import LayerProgram, plan_routes
 
 from reference import build, train_plainly
 
@@ -256,3 +260,48 @@ def test_a_number_made_from_a_shape_is_recomputed_where_it_is_read() -> None:
     per_rank = ms.launch(_grid_losses, 2, args=(ms.Plan(pp=2, micro_batches=2), False))
     for losses in per_rank:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(_grid_losses(None, False)))
+
+
+class Shift(nn.Module):
+    """Adds one: autograd saves nothing of its input for an addition."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class SeesEarlier(nn.Module):
+    """Records, as it runs, whether the first Linear's output (watched) is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: Callable[[], torch.Tensor | None] = lambda: None
+        self.alive_when_run: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.alive_when_run.append(self.watched() is not None)
+        return x * 3
+
+
+def test_a_stage_drops_each_value_after_its_last_reader() -> None:
+    """A value no later layer reads and autograd does not save is freed while the stage's
+    forward goes on, as in nn.Sequential; the values the stage sends stay."""
+    seen = SeesEarlier()
+    model = nn.Sequential(nn.Linear(4, 4), Shift(), nn.Linear(4, 4), seen, nn.Linear(4, 2))
+
+    def watch(_: nn.Module, __: Any, output: torch.Tensor) -> None:
+        seen.watched = weakref.ref(output)
+
+    model[0].register_forward_hook(watch)
+    x = torch.randn(3, 4)
+    graph = layer_graph(model, x)
+    routes = plan_routes(graph, [4, 1])
+    program = LayerProgram(graph.layers[:4], graph, routes[0], last=False)
+    assert program.dead == [
+        [graph.input],
+        [graph.layers[0].outputs[0]],
+        [graph.layers[1].outputs[0]],
+        [graph.layers[2].outputs[0]],
+    ]
+    (sent,) = program(x)
+    assert seen.alive_when_run == [False]  # the Linear's output, read only by Shift, is gone
+    torch.testing.assert_close(model[4](sent), model(x))

@@ -27,9 +27,9 @@ from meshsplit.pipeline.blocks import (
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.partition import balance, balance_runs, check_split, split_words
 from meshsplit.pipeline.profile import LayerCost, NotATensor, profile_layers
+from meshsplit.pipeline.program import LayerProgram, Program, Routes, plan_routes
 from meshsplit.pipeline.schedules import chunk_ranks
 from meshsplit.pipeline.spine import Spine, check_chain, cut_positions
-from meshsplit.pipeline.stage import LayerProgram, Program, Routes, plan_routes
 from meshsplit.plan import Plan, PlanError
 
 __all__: list[str] = []

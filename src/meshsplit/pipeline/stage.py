@@ -1,7 +1,7 @@
 """One pipeline stage: its program, the values it exchanges, and how it runs F(j) and B(j).
 
-The program is a traced LayerGraph's layers (`LayerProgram`) or the model's own forward with
-other stages' pieces stubbed (`spine.py`); the stage sees only values in and values out. A
+The program is a traced LayerGraph's layers (`program.LayerProgram`) or the model's own forward
+with other stages' pieces stubbed (`spine.py`); the stage sees only values in and values out. A
 value goes straight from the stage that makes it to every stage that reads it.
 Rationale: docs/internals.md#pipelinestagepy
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,8 +18,8 @@ from torch import nn
 
 from meshsplit.batch import tensors
 from meshsplit.phases import phase
-from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.pipeline.p2p import Exchange, Received, Sending, TensorMeta
+from meshsplit.pipeline.program import Program, Routes
 from meshsplit.pipeline.schedules import Action
 from meshsplit.pipeline.split_backward import (
     WeightWork,
@@ -31,49 +31,6 @@ from meshsplit.precision import Precision
 from meshsplit.sharded_views import ViewWatch
 
 __all__: list[str] = []
-
-
-@dataclass(frozen=True, kw_only=True)
-class Routes:
-    """The values one stage receives from earlier stages and sends to later ones."""
-
-    receives: tuple[tuple[int, tuple[str, ...]], ...]
-    """(source stage, value names), by source stage."""
-    sends: tuple[tuple[int, tuple[str, ...]], ...]
-    """(destination stage, value names), by destination stage."""
-
-
-def plan_routes(graph: LayerGraph, sizes: Sequence[int]) -> list[Routes]:
-    """Routes of every stage when stage k holds the next sizes[k] layers (a pure function).
-
-    The model input is on every rank, so it is never sent; the model output is read by the
-    last stage (the loss), wherever it is made.
-    """
-    stage_of_layer = [k for k, size in enumerate(sizes) for _ in range(size)]
-    maker: dict[str, int] = {}
-    readers: dict[str, list[int]] = {}
-    order: list[str] = []
-    for layer, stage in zip(graph.layers, stage_of_layer, strict=True):
-        for name in layer.inputs:
-            readers.setdefault(name, [])
-            if stage not in readers[name]:
-                readers[name].append(stage)
-        for name in layer.outputs:
-            maker[name] = stage
-            order.append(name)
-    readers.setdefault(graph.output, []).append(len(sizes) - 1)
-    links: dict[tuple[int, int], list[str]] = {}
-    for name in order:
-        for reader in readers.get(name, []):
-            if reader != maker[name] and name not in links.get((maker[name], reader), []):
-                links.setdefault((maker[name], reader), []).append(name)
-    return [
-        Routes(
-            receives=tuple((src, tuple(v)) for (src, dst), v in sorted(links.items()) if dst == k),
-            sends=tuple((dst, tuple(v)) for (src, dst), v in sorted(links.items()) if src == k),
-        )
-        for k in range(len(sizes))
-    ]
 
 
 @dataclass
@@ -150,38 +107,6 @@ def run(
     for sending in step.sending:
         sending.wait()
     return step
-
-
-class Program(Protocol):
-    """What a stage computes for one micro-batch: received values in, the values it makes out."""
-
-    @property
-    def made(self) -> Sequence[str]:
-        """Names of the values `__call__` returns: what the sends carry, then (last stage) the
-        model's output."""
-
-    def __call__(self, x: Any, *received: torch.Tensor) -> tuple[Any, ...]: ...
-
-
-class LayerProgram:
-    """A stage's layers of a LayerGraph, run in order over named values."""
-
-    def __init__(
-        self, layers: Sequence[Layer], graph: LayerGraph, routes: Routes, last: bool
-    ) -> None:
-        self.layers = list(layers)
-        self.model_input = graph.input
-        self.received_names = [n for _, names in routes.receives for n in names]
-        self.made = list(dict.fromkeys(n for _, names in routes.sends for n in names))
-        if last:
-            self.made.append(graph.output)
-
-    def __call__(self, x: Any, *received: torch.Tensor) -> tuple[Any, ...]:
-        values = {self.model_input: x, **dict(zip(self.received_names, received, strict=True))}
-        for layer in self.layers:
-            outputs = layer(*(values[n] for n in layer.inputs))
-            values.update(zip(layer.outputs, outputs, strict=True))
-        return tuple(values[n] for n in self.made)
 
 
 class Stage:
