@@ -18,9 +18,12 @@ and zbv have their own of 2p chunks. The runs take turns within each round (A B 
 rounds), so a slow moment on a shared machine hits all of them; the median round is
 reported.
 
-Prints samples/s, ours/theirs per schedule and each schedule against 1F1B of the same
-library; the bubble, measured on meshsplit's recorded timeline (idle time / compute time,
-beside the papers' (p-1)/m, (p-1)/(v*m), about (p-1)/(3m)) and as an idle share (beside the
+Prints samples/s, ours/theirs per schedule, ours against torch's same step ending as
+meshsplit's does (an all-reduce that gives every rank the step's loss and whether any rank's
+gradients held a NaN or infinity, before the optimizer step: "agreeing"), and each schedule
+against 1F1B of the same library; the bubble, measured on meshsplit's recorded timeline
+(idle time / compute time, beside the papers' (p-1)/m, (p-1)/(v*m), about (p-1)/(3m)) and
+as an idle share (beside the
 schedule's at the papers' costs); the pipeline efficiency, the speed-up over one process
 (1 thread, whole batch) divided by p; and the balance (slowest/fastest rank, profiled).
 
@@ -79,11 +82,14 @@ def _theirs(
     sizes: tuple[int, ...],
     micro: int,
     optimizer: Callable[[Any], torch.optim.Optimizer],
+    agree: bool = False,
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], bool | None]:
     """torch's `schedule` over this rank's chunks (r, r+p, ...; r and 2p-1-r under zbv) of
     `layers` cut by `sizes` (layers per chunk, as meshsplit cut them, so a difference in time
     is the runtime's, not the split's): one train step on the global batch, and same_order's
-    verdict."""
+    verdict. With `agree`, the step ends as meshsplit's does before its optimizer step: every
+    rank sums its gradients (a NaN or infinity shows in a sum) and one all-reduce gives every
+    rank the step's loss and whether any rank saw a non-finite gradient."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     placement = chunk_ranks(pp, len(sizes) // pp, schedule)
@@ -100,13 +106,32 @@ def _theirs(
     step_optimizer = optimizer([p for m in modules for p in m.parameters()])
     first, last = 0 in chunks, len(sizes) - 1 in chunks
 
+    params = [p for m in modules for p in m.parameters()]
+
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         """One step: the batch goes in on the first chunk's rank, targets on the last's."""
-        runner.step(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))
+        losses: list[torch.Tensor] = []
+        runner.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        if agree and not _agreed_finite(params, losses):
+            step_optimizer.zero_grad()
+            return
         step_optimizer.step()
         step_optimizer.zero_grad()
 
     return step, same_order(runner, schedule, micro)
+
+
+def _agreed_finite(params: list[nn.Parameter], losses: list[torch.Tensor]) -> bool:
+    """The closing exchange meshsplit's step makes, written with torch: the step's loss to
+    every rank (read on the host, as train_step returns a float) and whether every rank's
+    gradients are finite."""
+    sums = [p.grad.sum(dtype=torch.float32) for p in params if p.grad is not None]
+    bad = (~torch.stack(sums).isfinite().all()).to(torch.float32)
+    loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())
+    agreed = torch.stack([loss.to(torch.float32), bad])
+    dist.all_reduce(agreed)
+    _, nonfinite = agreed.tolist()
+    return nonfinite == 0
 
 
 def same_order(runner: Any, name: str, micro: int) -> bool | None:
@@ -222,10 +247,15 @@ def _worker(batch: int, micro: int, steps: int, rounds: int, recorded: int) -> d
         name: _theirs(name, list(_model().children()), sizes[name], micro, _optimizer)
         for name in SCHEDULES
     }
+    agreeing = {
+        name: _theirs(name, list(_model().children()), sizes[name], micro, _optimizer, True)
+        for name in SCHEDULES
+    }
     runs: dict[str, Callable[[], Any]] = {"one process": _single(x, y)}
     for name in SCHEDULES:
         runs[f"meshsplit {name}"] = lambda engine=ours[name]: engine.train_step(x, y)
         runs[f"torch {name}"] = lambda step=theirs[name][0]: step(x, y)
+        runs[f"torch {name}, agreeing"] = lambda step=agreeing[name][0]: step(x, y)
     times = take_turns(runs, rounds, steps)
     bubbles = {name: _bubbles(ours[name], x, y, recorded) for name in SCHEDULES}
     described = {name: ours[name].describe() for name in SCHEDULES}
@@ -252,14 +282,16 @@ def formula(name: str, stages: int, micro: int) -> float:
 
 
 def _speed_table(result: dict[str, Any], median: dict[str, float], args: Any) -> Table:
-    """One row per schedule: both libraries' samples/s, ours/theirs, and each against its own
-    1F1B, so a schedule's gain is read within one library, apart from the runtime's."""
+    """One row per schedule: both libraries' samples/s, ours/theirs (torch's step as it is,
+    and ending with meshsplit's closing exchange), and each against its own 1F1B, so a
+    schedule's gain is read within one library, apart from the runtime's."""
     table = Table(
         title=f"layer split, pp={STAGES}, m={args.micro_batches}, batch {args.batch}, "
         f"widths {'-'.join(map(str, WIDTHS))}"
     )
     columns = ("schedule", "torch schedule", "same order", "chunks (layers)", "meshsplit samples/s",
-               "torch samples/s", "ours/theirs", "ours vs 1f1b", "torch vs 1f1b")  # fmt: skip
+               "torch samples/s", "ours/theirs", "ours/theirs, agreeing", "ours vs 1f1b",
+               "torch vs 1f1b")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="right")
     for name in SCHEDULES:
@@ -272,6 +304,7 @@ def _speed_table(result: dict[str, Any], median: dict[str, float], args: Any) ->
             f"{args.batch / ours:.0f}",
             f"{args.batch / theirs:.0f}",
             f"{theirs / ours:.2f}",
+            f"{median[f'torch {name}, agreeing'] / ours:.2f}",
             f"{median['meshsplit 1f1b'] / ours:.2f}",
             f"{median['torch 1f1b'] / theirs:.2f}",
         )

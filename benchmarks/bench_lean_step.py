@@ -5,10 +5,13 @@ and the reference transformer at batch 32, SGD: meshsplit Plan(dp=2) with its de
 (non-finite check, sampled live-tensor count), the same with both off, and DDP, taking turns
 (A B C, C B A) after a warm-up; the figure is each one's median over rounds. Each setting
 runs on two engines, built on, off, off, on, so that neither setting is always built first.
+Then single steps in pairs (defaults on beside off, and beside DDP), each pair back to back
+between barriers: the median ratio and its quartiles, free of the host's drift over a round.
 Memory: peak live tensor bytes over three AdamW steps of a small LM (vocab 4096, batch 16 x 64),
 counted from before the model is built by a dispatch-mode counter written here, outside
 meshsplit: Plan() against plain PyTorch in one process, Plan(dp=2) against DDP per rank.
-Run: python benchmarks/bench_lean_step.py [--rounds R] [--steps S] [--part time|memory|all]
+Run: python benchmarks/bench_lean_step.py [--rounds R] [--steps S] [--pairs P]
+     [--part time|memory|all]
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshsplit as ms
 
-from rounds import take_turns
+from rounds import paired_ratios, take_turns
 
 MLP_WIDTHS = (784, 2048, 2048, 10)
 LM = {"vocab_size": 4096, "d_model": 128, "n_heads": 4, "n_layers": 2, "seq_len": 64}
@@ -128,7 +131,9 @@ def _case(name: str) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor, torch
     return reference.model, reference.synthetic(32, seed=1), reference.loss()
 
 
-def _time_worker(name: str, rounds: int, steps: int) -> dict[str, list[float]]:
+def _time_worker(
+    name: str, rounds: int, steps: int, pairs: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     build, (x, y), loss_fn = _case(name)
     engines = {}
     for name in ("on 1", "off 1", "off 2", "on 2"):  # built A B B A: neither comes first
@@ -169,11 +174,15 @@ def _time_worker(name: str, rounds: int, steps: int) -> dict[str, list[float]]:
         f"defaults {name}": times[f"defaults {name} 1"] + times[f"defaults {name} 2"]
         for name in ("on", "off")
     }
-    return both | {"DDP": times["DDP"], "DDP, local loss": times["DDP, local loss"]}
+    paired = {  # on over off, and on over DDP, step by step
+        "on / off": paired_ratios(runs["defaults off 1"], runs["defaults on 1"], pairs),
+        "on / DDP": paired_ratios(runs["DDP"], runs["defaults on 2"], pairs),
+    }
+    return both | {"DDP": times["DDP"], "DDP, local loss": times["DDP, local loss"]}, paired
 
 
-def _time_table(name: str, rounds: int, steps: int) -> Table:
-    times = ms.launch(_time_worker, 2, args=(name, rounds, steps))[0]
+def _time_table(name: str, rounds: int, steps: int, pairs: int) -> tuple[Table, Table]:
+    times, paired = ms.launch(_time_worker, 2, args=(name, rounds, steps, pairs))[0]
     median = {run: statistics.median(seconds) for run, seconds in times.items()}
     table = Table(title=f"dp=2 step time, {name}, SGD (median of {rounds} rounds of {steps})")
     for column in ("run", "ms/step", "speed vs DDP", "speed vs defaults off"):
@@ -185,6 +194,19 @@ def _time_table(name: str, rounds: int, steps: int) -> Table:
             f"{median['DDP'] / seconds:.3f}",
             f"{median['defaults off'] / seconds:.3f}",
         )
+    return table, _pairs_table(name, paired)
+
+
+def _pairs_table(name: str, paired: dict[str, list[float]]) -> Table:
+    """Step time with the defaults on over the other run's, one pair of single steps at a
+    time (rounds.paired_ratios): the median and the middle half of the pairs."""
+    table = Table(title=f"dp=2, {name}: single steps in pairs, defaults on over the other")
+    for column in ("pair", "pairs", "median", "quartiles"):
+        table.add_column(column, justify="right")
+    for label, ratios in paired.items():
+        low, _, high = statistics.quantiles(ratios, n=4)
+        table.add_row(label, str(len(ratios)), f"{statistics.median(ratios):.3f}",
+                      f"{low:.3f} - {high:.3f}")  # fmt: skip
     return table
 
 
@@ -210,6 +232,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=150, help="pairs of single steps")
     parser.add_argument("--part", choices=("time", "memory", "all"), default="all")
     args = parser.parse_args()
     console = Console()
@@ -217,7 +240,8 @@ def main() -> None:
         console.print(_memory_table())
     if args.part in ("time", "all"):
         for name in ("mlp", "transformer"):
-            console.print(_time_table(name, args.rounds, args.steps))
+            for table in _time_table(name, args.rounds, args.steps, args.pairs):
+                console.print(table)
 
 
 if __name__ == "__main__":

@@ -48,3 +48,21 @@ def median_step(train_step: Callable[[], Any], steps: int, untimed: int) -> floa
         train_step()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def paired_ratios(first: Callable[[], Any], second: Callable[[], Any], pairs: int) -> list[float]:
+    """`second`'s seconds over `first`'s in each of `pairs` pairs of single steps, run back to
+    back between barriers (the order swapped every other pair): the two steps of a pair see
+    the machine in the same state, so the ratios spread by what the runs do, not by the
+    drift of a shared host over the seconds a round takes."""
+    ratios = []
+    for index in range(pairs):
+        order = (first, second) if index % 2 == 0 else (second, first)
+        seconds = {}
+        for run in order:
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            seconds[run] = time.perf_counter() - started
+        ratios.append(seconds[second] / seconds[first])
+    return ratios
