@@ -319,10 +319,9 @@ def _single(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train_plainly(model, _sgd(model.parameters()), ms.models.TokenCrossEntropy(), _batches())
 
 
-def _parallel(names: list[str], pp: int) -> list[dict[str, Any]]:
+def _parallel(names: list[str], plan: ms.Plan) -> list[dict[str, Any]]:
     results = []
     for name in names:
-        plan = ms.Plan(pp=pp, micro_batches=2)
         engine = ms.parallelize(
             _build(name), plan, optimizer=_sgd, loss_fn=ms.models.TokenCrossEntropy()
         )
@@ -341,12 +340,18 @@ def _parallel(names: list[str], pp: int) -> list[dict[str, Any]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_containers_match_one_process_with_a_fair_share_on_every_rank(pp: int) -> None:
-    per_rank = ms.launch(_parallel, pp, args=(INSTALLED, pp), timeout_s=300)
-    for index, name in enumerate(INSTALLED):
+    per_rank = ms.launch(_parallel, pp, args=(INSTALLED, ms.Plan(pp=pp, micro_batches=2)))
+    _check(per_rank, INSTALLED, fair=FAIR / pp)
+
+
+def _check(per_rank: list[list[dict[str, Any]]], names: list[str], fair: float) -> None:
+    """Every rank's losses and parameters equal one process's; each holds at most `fair` of
+    the weights."""
+    for index, name in enumerate(names):
         want_losses, want_state = _single(name)
         whole = sum(p.numel() * p.element_size() for p in _build(name).parameters())
         for rank, results in enumerate(per_rank):
-            got, where = results[index], f"{name} pp={pp} rank {rank}"
+            got, where = results[index], f"{name} rank {rank}"
             torch.testing.assert_close(
                 torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
                 msg=lambda m, where=where: f"{where} losses: {m}",
@@ -358,21 +363,17 @@ def test_containers_match_one_process_with_a_fair_share_on_every_rank(pp: int) -
                     msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
                 )  # fmt: skip
             share = got["held"] / whole
-            assert share <= FAIR / pp, f"{where} holds {share:.0%} of the weights"
+            assert share <= fair, f"{where} holds {share:.0%} of the weights"
 
 
-def _stand_in_under_pp_and_tp() -> None:
-    engine = ms.parallelize(
-        _build("stand-in"),
-        ms.Plan(pp=2, tp=2, micro_batches=2),
-        optimizer=_sgd,
-        loss_fn=ms.models.TokenCrossEntropy(),
-    )
-    engine.train_step(*_batches()[0])
-
-
-def test_exported_layers_that_cannot_run_alone_are_refused_before_any_step() -> None:
-    """torch.export's layers of the tp-split stand-in keep a graph between runs: the layer
-    split refuses the plan with a PlanError and the fix, instead of failing inside autograd."""
-    with pytest.raises(ms.WorkerError, match=r"PlanError: layer .* cannot run and differentiate"):
-        ms.launch(_stand_in_under_pp_and_tp, 4, timeout_s=120)
+@pytest.mark.timeout(600)
+def test_containers_traced_after_their_operator_split_match_one_process() -> None:
+    """pp2 x tp2: the layer split traces the tp-split model, whose collectives torch.export
+    keeps as operators with their backward (tensor/exportable.py); they were inlined
+    without it, and the plan refused. Every rank holds a quarter of the weights."""
+    traced = [name for name in INSTALLED if name not in SOURCES]  # cut by torch.export only
+    # (a model with blocks keeps their split under tp: the outside-residual one's is uneven)
+    assert "stand-in" in traced
+    plan = ms.Plan(pp=2, tp=2, micro_batches=2)
+    per_rank = ms.launch(_parallel, 4, args=(traced, plan), timeout_s=300)
+    _check(per_rank, traced, fair=FAIR / 4)

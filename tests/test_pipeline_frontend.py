@@ -305,3 +305,25 @@ def test_a_stage_drops_each_value_after_its_last_reader() -> None:
     (sent,) = program(x)
     assert seen.alive_when_run == [False]  # the Linear's output, read only by Shift, is gone
     torch.testing.assert_close(model[4](sent), model(x))
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this layer's backward needs what ran before it")
+
+
+class FailsInBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailsInBackward.apply(x)
+
+
+def test_a_layer_that_cannot_differentiate_alone_is_refused_before_any_step() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), FailsInBackward(), nn.Linear(4, 2))
+    graph = layer_graph(model, torch.randn(3, 4))
+    with pytest.raises(ms.PlanError, match=r"layer '1' .* cannot run and differentiate .*needs"):
+        profile_layers(graph, torch.randn(3, 4), repeats=1)

@@ -37,7 +37,7 @@ from meshsplit.plan import Plan
 from meshsplit.precision import Precision
 from meshsplit.runtime.rank_memory import RankMemory
 from meshsplit.runtime.runner import LocalRunner, Runner
-from meshsplit.tensor.collectives import staging
+from meshsplit.tensor.staged import staging
 
 __all__: list[str] = []
 

@@ -36,7 +36,7 @@ from meshsplit.pipeline.schedules import max_in_flight, schedule
 from meshsplit.plan import Plan, PlanError
 from meshsplit.precision import AUTOCAST_DTYPES
 from meshsplit.runtime.runner import Runner
-from meshsplit.tensor.collectives import staging
+from meshsplit.tensor.staged import staging
 
 __all__: list[str] = []
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshsplit.tensor.collectives import all_reduce_fresh, reduce_from_tp
+from meshsplit.tensor.collectives import reduce_from_tp
+from meshsplit.tensor.staged import all_reduce_fresh
 
 __all__ = ["vocab_parallel_cross_entropy"]
 

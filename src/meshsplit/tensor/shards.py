@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshsplit.tensor.collectives import all_gather_along
+from meshsplit.tensor.staged import all_gather_along
 
 __all__ = ["ParallelLayer", "local_shard", "shard_dims", "shard_layouts", "unshard_state_dict"]
 
