@@ -183,9 +183,7 @@ def find_cuts(model: nn.Module, example: Any, plan: Plan, agree: Agree) -> Cuts:
                 raise
             blocks_error = error
         else:
-            # under tp the traced layers run tp collectives: a trial failing on one rank
-            # would leave the others waiting in one
-            if plan.stages is not None or plan.split_points is not None or plan.tp > 1:
+            if plan.stages is not None or plan.split_points is not None:
                 return cuts
             return _better_balanced(cuts, model, example, plan, agree)
     return _traced(model, example, plan, agree, blocks_error)
