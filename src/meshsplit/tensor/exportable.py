@@ -26,6 +26,14 @@ def _group(name: str) -> dist.ProcessGroup:
     return group
 
 
+def _empty_along(x: torch.Tensor, group: str, dim: int, *, gathered: bool) -> torch.Tensor:
+    """A tensor shaped as `x` gathered over the group along `dim`, or as its slice."""
+    size = dist.get_world_size(_group(group))
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * size if gathered else shape[dim] // size
+    return x.new_empty(shape)
+
+
 def _remember_group(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.group = inputs[1]
     ctx.dim = inputs[2] if len(inputs) > 2 else None
@@ -94,9 +102,7 @@ def gather_from_tp(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
 
 @gather_from_tp.register_fake
 def _(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] *= dist.get_world_size(_group(group))
-    return x.new_empty(shape)
+    return _empty_along(x, group, dim, gathered=True)
 
 
 def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -114,9 +120,7 @@ def scatter_to_tp(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
 
 @scatter_to_tp.register_fake
 def _(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] //= dist.get_world_size(_group(group))
-    return x.new_empty(shape)
+    return _empty_along(x, group, dim, gathered=False)
 
 
 def _scatter_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
