@@ -93,7 +93,7 @@ def save(training: Training, directory: str | os.PathLike[str]) -> Path:
     dist.broadcast_object_list(names, src=0)
     final = root / names[0]
     staging = root / f"{names[0]}.partial"
-    dcp.save(_state(training), checkpoint_id=staging)
+    dcp.save(_state(training, *_split_keys(training)), checkpoint_id=staging)
     dist.barrier()
     if dist.get_rank() == 0:
         os.replace(staging, final)
@@ -115,7 +115,8 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
     path = resolve(directory)
     metadata = _metadata(path)
     _ensure_optimizer_state(training)
-    state = _state(training)
+    layouts, experts = _split_keys(training)
+    state = _state(training, layouts, experts)
     saved = metadata.state_dict_metadata
     as_parts, sharded = fused_parts.ask_as_saved(state, saved, training.mesh.device)
     rng_key = f"rng/rank{dist.get_rank()}"
@@ -137,7 +138,6 @@ def load(training: Training, directory: str | os.PathLike[str]) -> Path:
         state[key] = fused_parts.assembled(pieces, dim)
         if key in sharded:
             state[key] = fused_parts.placed_like(state[key], sharded[key])
-    layouts, experts = _layouts(training), _expert_keys(training)
     with torch.no_grad():
         for key, live in _live_tensors(training):
             loaded = state.get(key)
@@ -331,8 +331,16 @@ def _live_tensors(training: Training) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"optim/{name_of[param]}/{key}", value
 
 
-def _state(training: Training) -> dict[str, Any]:
-    layouts, expert_keys = _layouts(training), _expert_keys(training)
+def _split_keys(training: Training) -> tuple[dict[str, tuple[int, int]], set[str]]:
+    """The checkpoint keys of the tensors split over tp (with their layouts) and of the
+    experts split over ep, worked out once for a save or a load."""
+    return _layouts(training), _expert_keys(training)
+
+
+def _state(
+    training: Training, layouts: dict[str, tuple[int, int]], expert_keys: set[str]
+) -> dict[str, Any]:
+    """What DCP saves or reads: each live tensor placed as its split says, and the rest."""
     state: dict[str, Any] = {}
     for key, tensor in _live_tensors(training):
         layout = layouts.get(key)
