@@ -23,9 +23,9 @@ meshsplit's does (an all-reduce that gives every rank the step's loss and whethe
 gradients held a NaN or infinity, before the optimizer step: "agreeing"), and each schedule
 against 1F1B of the same library; the bubble, measured on meshsplit's recorded timeline
 (idle time / compute time, beside the papers' (p-1)/m, (p-1)/(v*m), about (p-1)/(3m)) and
-as an idle share (beside the
-schedule's at the papers' costs); the pipeline efficiency, the speed-up over one process
-(1 thread, whole batch) divided by p; and the balance (slowest/fastest rank, profiled).
+as an idle share (beside the schedule's at the papers' costs); the pipeline efficiency, the
+speed-up over one process (1 thread, whole batch) divided by p; and the balance
+(slowest/fastest rank, profiled).
 
     PYTHONPATH=src python benchmarks/bench_layer_split.py [--quick] [--batch 256 --micro-batches 8]
 """
@@ -103,19 +103,16 @@ def _theirs(
     runner = kind(
         stages if multi else stages[0], n_microbatches=micro, loss_fn=nn.CrossEntropyLoss()
     )
-    step_optimizer = optimizer([p for m in modules for p in m.parameters()])
-    first, last = 0 in chunks, len(sizes) - 1 in chunks
-
     params = [p for m in modules for p in m.parameters()]
+    step_optimizer = optimizer(params)
+    first, last = 0 in chunks, len(sizes) - 1 in chunks
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         """One step: the batch goes in on the first chunk's rank, targets on the last's."""
         losses: list[torch.Tensor] = []
         runner.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
-        if agree and not _agreed_finite(params, losses):
-            step_optimizer.zero_grad()
-            return
-        step_optimizer.step()
+        if not agree or _agreed_finite(params, losses):
+            step_optimizer.step()
         step_optimizer.zero_grad()
 
     return step, same_order(runner, schedule, micro)

@@ -340,7 +340,8 @@ def _parallel(names: list[str], plan: ms.Plan) -> list[dict[str, Any]]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_containers_match_one_process_with_a_fair_share_on_every_rank(pp: int) -> None:
-    per_rank = ms.launch(_parallel, pp, args=(INSTALLED, ms.Plan(pp=pp, micro_batches=2)))
+    plan = ms.Plan(pp=pp, micro_batches=2)
+    per_rank = ms.launch(_parallel, pp, args=(INSTALLED, plan), timeout_s=300)
     _check(per_rank, INSTALLED, fair=FAIR / pp)
 
 

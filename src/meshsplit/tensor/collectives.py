@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 
 from meshsplit.tensor import exportable
-from meshsplit.tensor.staged import all_gather_along, all_reduce_fresh, own_slice
+from meshsplit.tensor.staged import (
+    all_gather_along,
+    all_reduce_fresh,
+    all_reduce_together,
+    own_slice,
+)
 
 __all__ = [
     "InputCopies",
@@ -53,17 +58,7 @@ class _CopyAllToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        present = [g for g in grads if g is not None]
-        if len({g.dtype for g in present}) > 1:  # one all-reduce per dtype is not worth it
-            return (None, *(None if g is None else all_reduce_fresh(g, ctx.group) for g in grads))
-        if not present:
-            return (None, *grads)
-        summed = iter(
-            all_reduce_fresh(torch.cat([g.reshape(-1) for g in present]), ctx.group).split(
-                [g.numel() for g in present]
-            )
-        )
-        return (None, *(None if g is None else next(summed).view_as(g) for g in grads))
+        return (None, *all_reduce_together(grads, ctx.group))
 
 
 class _ReduceFromTP(torch.autograd.Function):

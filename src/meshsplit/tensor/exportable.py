@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from meshsplit.tensor.staged import all_gather_along, all_reduce_fresh, own_slice
+from meshsplit.tensor.staged import (
+    all_gather_along,
+    all_reduce_fresh,
+    all_reduce_together,
+    own_slice,
+)
 
 __all__ = ["copy_all_to_tp", "copy_to_tp", "gather_from_tp", "reduce_from_tp", "scatter_to_tp"]
 
@@ -69,8 +74,7 @@ def _(xs: list[torch.Tensor], group: str) -> list[torch.Tensor]:
 
 
 def _copy_all_backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, None]:
-    summed = [None if g is None else all_reduce_fresh(g, _group(ctx.group)) for g in grads]
-    return summed, None
+    return all_reduce_together(grads, _group(ctx.group)), None
 
 
 copy_all_to_tp.register_autograd(_copy_all_backward, setup_context=_remember_group)

@@ -7,6 +7,7 @@ Rationale: docs/internals.md#tensorcollectivespy
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,14 @@ from meshsplit.gather import all_gather_flat
 from meshsplit.memory.report import tensor_bytes
 from meshsplit.phases import waiting
 
-__all__ = ["Staging", "all_gather_along", "all_reduce_fresh", "own_slice", "staging"]
+__all__ = [
+    "Staging",
+    "all_gather_along",
+    "all_reduce_fresh",
+    "all_reduce_together",
+    "own_slice",
+    "staging",
+]
 
 
 class Staging:
@@ -62,6 +70,21 @@ def all_reduce_fresh(
     with waiting("tp all-reduce wait", lambda: {"bytes": tensor_bytes([shaped])}):
         dist.all_reduce(shaped, op=op, group=group)
     return shaped.clone()
+
+
+def all_reduce_together(
+    grads: Sequence[torch.Tensor | None], group: dist.ProcessGroup
+) -> list[torch.Tensor | None]:
+    """Each tensor summed over `group` (None stays None), in one all-reduce of them all when
+    they share a dtype (one per tensor otherwise: one per dtype is not worth it)."""
+    present = [g for g in grads if g is not None]
+    if len({g.dtype for g in present}) > 1:
+        return [None if g is None else all_reduce_fresh(g, group) for g in grads]
+    if not present:
+        return list(grads)
+    flat = all_reduce_fresh(torch.cat([g.reshape(-1) for g in present]), group)
+    summed = iter(flat.split([g.numel() for g in present]))
+    return [None if g is None else next(summed).view_as(g) for g in grads]
 
 
 def all_gather_along(
