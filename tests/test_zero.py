@@ -252,13 +252,15 @@ class _BlockViews(nn.Module):
         return self.head(h)
 
 
-def _block_views(change: bool) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
-    """Losses and state of three dp2 zero=3 steps, and FSDP2's view warnings."""
+def _block_views(
+    change: bool, plan: ms.Plan = ms.Plan(dp=2, zero=3)
+) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
+    """Losses and state of three steps under `plan`, and FSDP2's view warnings."""
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = ms.parallelize(
-            _BlockViews(change), ms.Plan(dp=2, zero=3), optimizer=OPTIMIZERS["sgd"],
+            _BlockViews(change), plan, optimizer=OPTIMIZERS["sgd"],
             loss_fn=nn.CrossEntropyLoss(),
         )  # fmt: skip
         losses = [engine.train_step(x, y) for x, y in _view_batches()]
@@ -271,7 +273,16 @@ def _view_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g))] * 3
 
 
-def test_block_views_nothing_changes_train_without_a_warning() -> None:
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ms.Plan(dp=2, zero=3),
+        # each stage runs its forward again in backward, its units' hooks with it
+        ms.Plan(dp=2, pp=2, micro_batches=2, zero=2, recompute="always"),
+    ],
+    ids=["dp2 zero3", "dp2 pp2 zero2 recompute"],
+)
+def test_block_views_nothing_changes_train_without_a_warning(plan: ms.Plan) -> None:
     """FSDP2 warns of every view a unit returns (torch 2.13); meshsplit watches them instead,
     so blocks returning views that nothing changes (as T5's do) train quietly and exactly."""
     torch.manual_seed(0)
@@ -279,7 +290,8 @@ def test_block_views_nothing_changes_train_without_a_warning() -> None:
     want_losses, want_state = train_plainly(
         model, OPTIMIZERS["sgd"](model.parameters()), nn.CrossEntropyLoss(), _view_batches()
     )
-    for losses, state, warned in ms.launch(_block_views, 2, args=(False,)):
+    workers = plan.dp * plan.pp
+    for losses, state, warned in ms.launch(_block_views, workers, args=(False, plan)):
         assert not warned, warned
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=RTOL,
                                    atol=ATOL)  # fmt: skip

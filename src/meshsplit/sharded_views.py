@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -82,6 +82,12 @@ class ViewWatch:
                 yield
         finally:
             self._watching = False
+
+    def recomputing(self) -> AbstractContextManager[None]:
+        """A backward that may run the forward again (recompute): its units' views feed only
+        the recomputed graph, and the forward that made them was checked, so FSDP2's warning
+        about them is silenced too."""
+        return quiet_view_warning(self.units)
 
     def check(self) -> None:
         """Raise when a recorded view was changed in place since its unit returned it."""

@@ -263,19 +263,20 @@ class Stage:
             roots.append(flight.loss * multiplier if multiplier != 1.0 else flight.loss)
             seeds.append(None)
         leaves = [t for ts in flight.received for t in ts if t.requires_grad]
-        if not weights_later:
-            if roots:
-                torch.autograd.backward(roots, seeds)
-            found = [_grad_of(t) for t in leaves]
-        elif roots and leaves and not self._sharded():
-            found, flight.work = input_gradients(roots, seeds, leaves)
-            roots, seeds = [], []
-        elif roots and leaves:
-            # FSDP2 reduces a unit's gradients as backward leaves its inputs, which B does
-            # before any weight gradient exists: W re-runs the backward whole
-            found = gradients_of(leaves, roots, seeds)
-        else:
-            found = [torch.zeros_like(t) for t in leaves]
+        with self._watch().recomputing():
+            if not weights_later:
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+                found = [_grad_of(t) for t in leaves]
+            elif roots and leaves and not self._sharded():
+                found, flight.work = input_gradients(roots, seeds, leaves)
+                roots, seeds = [], []
+            elif roots and leaves:
+                # FSDP2 reduces a unit's gradients as backward leaves its inputs, which B does
+                # before any weight gradient exists: W re-runs the backward whole
+                found = gradients_of(leaves, roots, seeds)
+            else:
+                found = [torch.zeros_like(t) for t in leaves]
         given = iter(found)
         back = [
             (self.peers[src], self._tag(src) + 1, [next(given) for t in ts if t.requires_grad])
@@ -295,10 +296,11 @@ class Stage:
         """W: the weight gradients B left, accumulated as a plain backward does (the
         parameters' hooks fire here); or the whole backward again, from the roots B kept."""
         flight = step.in_flight.pop((self.index, micro))
-        if flight.work is not None:
-            weight_gradients(flight.work)
-        if flight.roots:
-            torch.autograd.backward(flight.roots, flight.seeds)
+        with self._watch().recomputing():
+            if flight.work is not None:
+                weight_gradients(flight.work)
+            if flight.roots:
+                torch.autograd.backward(flight.roots, flight.seeds)
         for buffer in flight.buffers:
             self.exchange.pool.give(buffer)
 
