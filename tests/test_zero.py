@@ -253,14 +253,14 @@ class _BlockViews(nn.Module):
 
 
 def _block_views(
-    change: bool, plan: ms.Plan = ms.Plan(dp=2, zero=3)
+    change: bool, plan: ms.Plan | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor], list[str]]:
     """Losses and state of three steps under `plan`, and FSDP2's view warnings."""
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = ms.parallelize(
-            _BlockViews(change), plan, optimizer=OPTIMIZERS["sgd"],
+            _BlockViews(change), plan or ms.Plan(dp=2, zero=3), optimizer=OPTIMIZERS["sgd"],
             loss_fn=nn.CrossEntropyLoss(),
         )  # fmt: skip
         losses = [engine.train_step(x, y) for x, y in _view_batches()]
