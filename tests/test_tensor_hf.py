@@ -29,7 +29,7 @@ import meshsplit as ms  # noqa: E402
 from meshsplit import tensor  # noqa: E402
 from meshsplit.gather import ALL_GATHER  # noqa: E402
 from meshsplit.mesh import Mesh  # noqa: E402
-from meshsplit.tensor import plan_splits  # noqa: E402
+from meshsplit.tensor import Decision, plan_splits  # noqa: E402
 from meshsplit.tensor.shards import local_shard, shard_layouts  # noqa: E402
 
 import hf_models  # noqa: E402
@@ -71,7 +71,10 @@ def test_gpt2_splits_conv1d_pairs_fused_qkv_and_the_tied_head() -> None:
     assert (d[f"{attn}.c_attn"].split, d[f"{attn}.c_attn"].parts) == ("column", 3)
     assert not d[f"{attn}.c_attn"].gather_output
     assert d[f"{attn}.c_proj"].split == "row" and not d[f"{attn}.c_proj"].scatter_input
-    assert set(d[f"{attn}.c_proj"].per_rank) == {f"{attn}.split_size", f"{attn}.num_heads"}
+    assert set(d[f"{attn}.c_proj"].per_rank) == {
+        (f"{attn}.split_size", TP),
+        (f"{attn}.num_heads", TP),
+    }
     assert d["m.transformer.h.0.mlp.c_fc"].split == "column"
     assert d["m.transformer.h.0.mlp.c_proj"].split == "row"
     assert (d["m.transformer.wte"].split, d["m.transformer.wte"].tied) == ("vocab", "m.lm_head")
@@ -102,12 +105,23 @@ def test_llama_takes_its_own_plan_and_splits_kv_heads_at_tp2() -> None:
     assert d["m.lm_head"].split == "column" and d["m.lm_head"].gather_output
 
 
-def test_llama_at_tp4_keeps_attention_whole_with_the_reason() -> None:
+def _shares_kv_heads(d: dict[str, Decision], attention: str) -> None:
+    """Two kv heads at tp=4: the query heads and o split, k and v whole, their heads shared by
+    two ranks each and their gradients summed over tp; each rank's head counts follow."""
+    assert d[f"{attention}.q_proj"].split == "column" and not d[f"{attention}.q_proj"].shared
+    for name in ("k_proj", "v_proj"):
+        decision = d[f"{attention}.{name}"]
+        assert decision.split == "column" and decision.shared == 2, decision
+        assert decision.summed == (f"{attention}.{name}.weight",), decision
+        assert "2 kv heads are shared" in decision.reason
+    assert d[f"{attention}.o_proj"].split == "row"
+    assert set(d[f"{attention}.o_proj"].per_rank) == {(f"{attention}.num_key_value_groups", 2)}
+
+
+def test_llama_at_tp4_shares_its_two_kv_heads_between_pairs_of_ranks() -> None:
     d = _decisions("llama", 4)
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        decision = d[f"m.model.layers.0.self_attn.{name}"]
-        assert decision.split == "replicate"
-        assert "num_key_value_heads=2" in decision.reason
+    _shares_kv_heads(d, "m.model.layers.0.self_attn")
+    assert d["m.model.layers.0.self_attn.q_proj"].reason.startswith("data flow")  # not its plan
     assert d["m.model.layers.0.mlp.gate_proj"].split == "column"
 
 
@@ -120,9 +134,9 @@ def test_data_flow_finds_the_same_llama_pairs_without_the_models_plan() -> None:
     assert d["m.model.layers.0.self_attn.k_proj"].split == "column"
     assert d["m.model.layers.0.self_attn.o_proj"].split == "row"
     assert d["m.model.layers.0.mlp.down_proj"].reason.startswith("data flow")
-    at4 = {x.name: x for x in plan_splits(model, 4, example=x)}
-    assert at4["m.model.layers.0.self_attn.q_proj"].split == "replicate"
-    assert "num_key_value_heads=2" in at4["m.model.layers.0.self_attn.q_proj"].reason
+    _shares_kv_heads(
+        {x.name: x for x in plan_splits(model, 4, example=x)}, "m.model.layers.0.self_attn"
+    )
 
 
 def test_bert_pairs_across_sibling_modules() -> None:
@@ -475,7 +489,7 @@ def test_t5s_cross_attentions_split_together_and_its_self_attentions_stay_whole(
     for block in (0, 1):
         cross = f"m.decoder.block.{block}.layer.1.EncDecAttention"
         assert [d[f"{cross}.{p}"].split for p in "qkvo"] == ["column"] * 3 + ["row"]
-        assert d[f"{cross}.o"].per_rank == (f"{cross}.n_heads",)
+        assert d[f"{cross}.o"].per_rank == ((f"{cross}.n_heads", TP),)
         own = f"m.decoder.block.{block}.layer.0.SelfAttention.o"  # relative bias: whole heads
         assert d[own].reason.startswith("data-flow pair not taken"), d[own]
 

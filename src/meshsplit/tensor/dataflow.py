@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshsplit.tensor.conv1d import is_conv1d
+from meshsplit.tensor.heads import divided, head_counts
 from meshsplit.tensor.probe import Trace, candidates, copy_of, hooked, outputs, quietly, same
 from meshsplit.tensor.shards import local_shard
 from meshsplit.tensor.units import features
@@ -35,19 +36,6 @@ def as_it_is(_: nn.Module) -> AbstractContextManager[None]:
     return nullcontext()
 
 
-HEAD_ATTRIBUTES = (
-    "num_heads",
-    "n_heads",
-    "n_head",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "split_size",
-    "all_head_size",
-)
-"""Per-rank ints an attention reads in forward: a rank holds 1/tp of each."""
-KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Pair:
     """Column layers feeding one row layer, checked exact."""
@@ -55,8 +43,13 @@ class Pair:
     columns: dict[str, int]
     """Column layer name -> its fused parts (1 unless it is e.g. q|k|v in one weight)."""
     row: str
-    per_rank: tuple[str, ...]
-    """'module.attribute' ints divided by tp on every rank."""
+    per_rank: tuple[tuple[str, int], ...]
+    """('module.attribute', divisor): ints divided on every rank (by tp, but for the kv heads
+    fewer than tp ranks share)."""
+    shared: dict[str, int] = field(default_factory=dict)
+    """Column layer name -> its kv heads, where tp ranks share them (grouped-query attention
+    with fewer kv heads than tp ranks): the weight stays whole and each rank emits the block
+    of the kv head its query heads read."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,46 +78,6 @@ def _between(columns: list[str], row: str) -> list[str]:
     return sorted(names, key=len)
 
 
-def head_counts(model: nn.Module, modules: list[str], tp: int) -> tuple[list[str], str]:
-    """The per-rank ints to divide, and why a split by heads is impossible ('' when it is not).
-
-    An attention module (one with a head count or `head_dim`) whose config's head or kv-head
-    count tp does not divide cannot split (grouped-query attention with few kv heads).
-    """
-    per_rank: list[str] = []
-    for name in modules:
-        module = model.get_submodule(name)
-        config = getattr(module, "config", None)
-        attention = any(hasattr(module, a) for a in (*HEAD_ATTRIBUTES, "head_dim"))
-        for attr in (*KV_HEADS, "num_attention_heads"):
-            value = getattr(config, attr, None)
-            if attention and isinstance(value, int) and value % tp:
-                return [], f"tp={tp} does not divide {attr}={value} of '{name}'"
-        for attr in HEAD_ATTRIBUTES:
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value % tp:
-                    return [], f"tp={tp} does not divide {attr}={value} of '{name}'"
-                per_rank.append(f"{name}.{attr}" if name else attr)
-    return per_rank, ""
-
-
-@contextmanager
-def divided(model: nn.Module, per_rank: tuple[str, ...], tp: int) -> Iterator[None]:
-    """The `per_rank` ints divided by tp for the duration."""
-    saved = []
-    for path in per_rank:
-        owner, _, attr = path.rpartition(".")
-        module = model.get_submodule(owner)
-        saved.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, getattr(module, attr) // tp)
-    try:
-        yield
-    finally:
-        for module, attr, value in saved:
-            setattr(module, attr, value)
-
-
 def _partial(row: nn.Module, x: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """B's block `rank` of input features applied to x, without bias."""
     weight: torch.Tensor = row.weight  # type: ignore[assignment]
@@ -133,10 +86,15 @@ def _partial(row: nn.Module, x: torch.Tensor, rank: int, tp: int) -> torch.Tenso
     return F.linear(x, local_shard(weight, 1, 1, rank, tp))
 
 
-def _column(trace: Trace, name: str, parts: int, rank: int, tp: int) -> Callable[[], Any]:
-    """Registers a hook making column layer `name` emit only rank `rank`'s block."""
+def _column(
+    trace: Trace, name: str, parts: int, rank: int, tp: int, shared: int = 0
+) -> Callable[[], Any]:
+    """Registers a hook making column layer `name` emit only rank `rank`'s block (of its
+    `shared` kv heads, where tp ranks share them)."""
 
     def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        if shared:
+            return local_shard(output, output.dim() - 1, 1, rank * shared // tp, shared)
         return local_shard(output, output.dim() - 1, parts, rank, tp)
 
     return lambda: trace.layers[name].register_forward_hook(hook)
@@ -150,13 +108,17 @@ def _as_rank(trace: Trace, pairs: list[Pair], rank: int, tp: int) -> Iterator[No
     is replaced by the clean run's output, as the all-reduce after it would give.
     """
 
-    register = [_column(trace, n, parts, rank, tp) for p in pairs for n, parts in p.columns.items()]
+    register = [
+        _column(trace, n, parts, rank, tp, p.shared.get(n, 0))
+        for p in pairs
+        for n, parts in p.columns.items()
+    ]
     rows = [trace.layers[pair.row] for pair in pairs]
     for pair, row in zip(pairs, rows, strict=True):
         row.forward = lambda *_, whole=trace.outputs[pair.row], **__: copy_of(whole)
-    per_rank = tuple(path for pair in pairs for path in pair.per_rank)
+    per_rank = tuple(entry for pair in pairs for entry in pair.per_rank)
     try:
-        with hooked(register), divided(trace.model, per_rank, tp):
+        with hooked(register), divided(trace.model, per_rank):
             yield
     finally:
         for row in rows:
@@ -173,12 +135,15 @@ def _simulate_rank(
         found.append(_partial(module, args[0], rank, tp))
         raise _Stop
 
-    register = [_column(trace, name, parts, rank, tp) for name, parts in pair.columns.items()]
+    register = [
+        _column(trace, name, parts, rank, tp, pair.shared.get(name, 0))
+        for name, parts in pair.columns.items()
+    ]
     register.append(lambda: trace.layers[pair.row].register_forward_pre_hook(stop))
     with (
         _as_rank(trace, accepted, rank, tp),
         hooked(register),
-        divided(trace.model, pair.per_rank, tp),
+        divided(trace.model, pair.per_rank),
         suppress(_Stop),
     ):
         outputs(trace.model, trace.example)
@@ -206,18 +171,25 @@ def _shaped(
 ) -> Pair | Refusal:
     """The pair if its shapes and head counts divide by tp, or why they do not."""
     names = (*columns, row)
+    per_rank, why, shared = head_counts(model, _between(columns, row), tp)
+    if why:
+        return Refusal(names=names, reason=why, replicate=True)
     n_in = features(trace.layers[row])[0]
-    parts = {}
+    parts, kv = {}, {}
     for name in columns:
         out = features(trace.layers[name])[1]
+        if shared and out < n_in and out % shared == 0 and not is_conv1d(trace.layers[name]):
+            kv[name] = shared  # a key or value projection: its heads are shared, not split
+            parts[name] = 1
+            continue
         parts[name] = out // n_in if out > n_in and out % n_in == 0 else 1
         if out % (parts[name] * tp) or n_in % tp:
             why = f"tp={tp} does not divide '{name}' out_features={out} / '{row}' in={n_in}"
             return Refusal(names=names, reason=why, replicate=False)
-    per_rank, why = head_counts(model, _between(columns, row), tp)
-    if why:
+    if shared and not kv:
+        why = f"tp={tp} does not divide the {shared} kv heads, and no key or value layer is found"
         return Refusal(names=names, reason=why, replicate=True)
-    return Pair(columns=parts, row=row, per_rank=tuple(per_rank))
+    return Pair(columns=parts, row=row, per_rank=tuple(per_rank), shared=kv)
 
 
 def _without_bias(trace: Trace, row: str, realize: Realize) -> torch.Tensor:

@@ -20,26 +20,15 @@ from torch.nn.utils import parametrize
 
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
-from meshsplit.tensor.attention import split_heads
 from meshsplit.tensor.collectives import InputCopies
-from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
-from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
-from meshsplit.tensor.conv_transpose import (
-    ColumnParallelConvTranspose2d,
-    RowParallelConvTranspose2d,
-)
-from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, head_counts
-from meshsplit.tensor.experts import experts_decisions, split_experts_module
+from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs
+from meshsplit.tensor.experts import experts_decisions
 from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
+from meshsplit.tensor.forms import parallel_form
+from meshsplit.tensor.heads import head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.inside import summed_or_whole
-from meshsplit.tensor.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    tp_group,
-)
-from meshsplit.tensor.multihead import split_multihead
+from meshsplit.tensor.layers import tp_group
 from meshsplit.tensor.reads import outside_reads
 from meshsplit.tensor.twins import twin_pairs
 from meshsplit.tensor.units import Decision, Unit, describe, split_sizes, walk
@@ -106,7 +95,11 @@ def _model_plan(model: nn.Module, by_name: dict[str, Unit], tp: int) -> None:
         why = next((w for unit, style in members if (w := _refusal(unit, style, tp))), "")
         if not why and (len(rows) != 1 or not columns):
             why = f"'{parent}' has {len(columns)} colwise and {len(rows)} rowwise entries"
-        per_rank, heads = head_counts(model, [parent], tp)
+        per_rank, heads, shared = head_counts(model, [parent], tp)
+        if shared and not why:  # kv heads ranks share: the data flow finds which layers
+            for unit, _ in members:
+                unit.note = unit.note or f"model's plan not taken: {shared} kv heads, tp={tp}"
+            continue
         if heads and not why:
             for unit, _ in members:
                 set_split(
@@ -121,15 +114,26 @@ def _model_plan(model: nn.Module, by_name: dict[str, Unit], tp: int) -> None:
 
 
 def _pair(
-    columns: list[Unit], row: Unit, parts: dict[str, int], per_rank: tuple[str, ...], source: str
+    columns: list[Unit],
+    row: Unit,
+    parts: dict[str, int],
+    per_rank: tuple[tuple[str, int], ...],
+    source: str,
+    shared: dict[str, int] | None = None,
 ) -> None:
     names = ", ".join(f"'{c.name}'" for c in columns)
     for column in columns:
         set_split(column, "column", f"{source}: pairs with '{row.name}'")
         column.parts = parts.get(column.name, 1)
+        column.shared = (shared or {}).get(column.name, 0)
         column.after, column.wiring = row, {"gather_output": False}
         if column.parts > 1:
             column.reason += f", fused in {column.parts} parts, each split by heads"
+        if column.shared:
+            column.reason += (
+                f"; its {column.shared} kv heads are shared by the ranks: kept whole, each "
+                "rank computes its head, gradients summed over tp"
+            )
     set_split(row, "row", f"{source}: pairs with {names}: one all-reduce")
     row.feeders, row.per_rank, row.wiring = list(columns), per_rank, {"scatter_input": False}
 
@@ -165,7 +169,7 @@ def _data_flow(
     )
     for pair in pairs:
         columns = [by_name[name] for name in pair.columns]
-        _pair(columns, by_name[pair.row], pair.columns, pair.per_rank, "data flow")
+        _pair(columns, by_name[pair.row], pair.columns, pair.per_rank, "data flow", pair.shared)
     for refusal in refused:
         for name in refusal.names:
             if refusal.replicate:
@@ -192,7 +196,8 @@ def _summed_inside_pairs(
         row = by_name[row_name]
         for unit in [*row.feeders, row]:
             set_split(unit, "replicate", f"kept whole with its partners: {reason}")
-            unit.after, unit.feeders, unit.per_rank, unit.wiring, unit.parts = None, [], (), {}, 1
+            unit.after, unit.feeders, unit.per_rank, unit.wiring = None, [], (), {}
+            unit.parts, unit.shared = 1, 0
     return summed
 
 
@@ -235,7 +240,7 @@ def plan_splits(
             for twin, original in twin_pairs(model, units, called, mended):
                 columns = [by_name[name] for name in twin.columns]
                 source = f"as in '{original}', its twin that the example ran"
-                _pair(columns, by_name[twin.row], twin.columns, twin.per_rank, source)
+                _pair(columns, by_name[twin.row], twin.columns, twin.per_rank, source, twin.shared)
             others = experts_decisions(model, example, others, tp, realize, set(summed))
     choose_rest(units, tp, total)
     check_ties(units)
@@ -258,6 +263,8 @@ def plan_splits(
             scatter_input=unit.wiring.get("scatter_input", False),
             parts=unit.parts,
             per_rank=unit.per_rank if unit.split == "row" else (),
+            shared=unit.shared if unit.split == "column" else 0,
+            summed=_whole_weights(unit) if unit.split == "column" and unit.shared else (),
             tied=", ".join(o.name for o in unit.tied) if unit.split != "replicate" else "",
         )
         for unit in units
@@ -275,44 +282,16 @@ def plan_splits(
     return sorted(decisions, key=lambda d: order.get(d.name, len(order)))
 
 
+def _whole_weights(unit: Unit) -> tuple[str, ...]:
+    """A layer's own parameters, by their names in the model (a column sharing kv heads keeps
+    them whole and sums their gradients over tp)."""
+    return tuple(f"{unit.name}.{name}" for name, _ in unit.module.named_parameters(recurse=False))
+
+
 def _with_sum(decision: Decision, inside: tuple[str, tuple[str, ...]]) -> Decision:
     row, parameters = inside
     why = f"; runs inside the pair of '{row}' on split values: gradients summed over tp"
     return replace(decision, reason=decision.reason + why, summed=parameters)
-
-
-def _split_module(module: nn.Module, decision: Decision, group: dist.ProcessGroup) -> nn.Module:
-    if decision.split == "experts":
-        return split_experts_module(module, dict(decision.layouts), group)
-    if decision.split == "heads":
-        if isinstance(module, nn.MultiheadAttention):
-            return split_multihead(module, group)
-        return split_heads(module, group)
-    if decision.split == "vocab":
-        return VocabParallelEmbedding.from_module(module, group)  # type: ignore[arg-type]
-    gather, scatter = decision.gather_output, decision.scatter_input
-    if is_conv1d(module):
-        if decision.split == "column":
-            return ColumnParallelConv1D.from_module(
-                module, group, gather_output=gather, parts=decision.parts
-            )
-        return RowParallelConv1D.from_module(module, group, scatter_input=scatter)
-    if isinstance(module, nn.Conv2d):
-        if decision.split == "column":
-            return ColumnParallelConv2d.from_module(module, group, gather_output=gather)
-        return RowParallelConv2d.from_module(module, group, scatter_input=scatter)
-    if isinstance(module, nn.ConvTranspose2d):
-        if decision.split == "column":
-            return ColumnParallelConvTranspose2d.from_module(module, group, gather_output=gather)
-        return RowParallelConvTranspose2d.from_module(module, group, scatter_input=scatter)
-    if decision.split == "column":
-        return ColumnParallelLinear.from_module(
-            module,  # type: ignore[arg-type]
-            group,
-            gather_output=gather,
-            parts=decision.parts,
-        )
-    return RowParallelLinear.from_module(module, group, scatter_input=scatter)  # type: ignore[arg-type]
 
 
 def parallelize(
@@ -344,7 +323,7 @@ def parallelize(
         original = parent.get_submodule(child_name)
         own = dict(original.named_parameters(recurse=False))  # before realize lends copies
         with realize(original):
-            split = _split_module(original, decision, group)
+            split = parallel_form(original, decision, group)
         if decision.tied and id(own["weight"]) in replaced:
             split.weight = replaced[id(own["weight"])][1]
         for name, param in own.items():
@@ -353,10 +332,10 @@ def parallelize(
         if decision.split == "column":
             split.input_copies = copies  # type: ignore[assignment]
         setattr(parent, child_name, split)
-        for path in decision.per_rank:
+        for path, divisor in decision.per_rank:
             owner_name, _, attr = path.rpartition(".")
             owner = model.get_submodule(owner_name)
-            setattr(owner, attr, getattr(owner, attr) // tp)
+            setattr(owner, attr, getattr(owner, attr) // divisor)
     _repoint(model, replaced)
     return decisions
 

@@ -27,7 +27,12 @@ def twin_pairs(
     module it was copied from; not a pair whose split values a whole layer reads (`mended`
     rows: their sums were found by running the example, which a twin's never ran)."""
     pairs = [
-        Pair(columns={c.name: c.parts for c in u.feeders}, row=u.name, per_rank=u.per_rank)
+        Pair(
+            columns={c.name: c.parts for c in u.feeders},
+            row=u.name,
+            per_rank=u.per_rank,
+            shared={c.name: c.shared for c in u.feeders if c.shared},
+        )
         for u in units
         if u.split == "row" and u.feeders and u.name not in mended
     ]
@@ -40,7 +45,7 @@ def twin_pairs(
     for pair in pairs:
         names = [*pair.columns, pair.row]
         owner = _owner(names)
-        if owner is None or not all(n.startswith(owner + ".") for n in pair.per_rank):
+        if owner is None or not all(n.startswith(owner + ".") for n, _ in pair.per_rank):
             continue
         parent_name, _, key = owner.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -52,7 +57,8 @@ def twin_pairs(
             if other == key or type(sibling) is not type(original) or _shapes(sibling) != shapes:
                 continue
             start = f"{parent_name}.{other}" if parent_name else other
-            moved = {name: start + name[len(owner) :] for name in [*names, *pair.per_rank]}
+            paths = [name for name, _ in pair.per_rank]
+            moved = {name: start + name[len(owner) :] for name in [*names, *paths]}
             layers = [moved[name] for name in names]
             if not free.issuperset(layers):
                 continue
@@ -60,7 +66,8 @@ def twin_pairs(
             twin = Pair(
                 columns={moved[c]: parts for c, parts in pair.columns.items()},
                 row=moved[pair.row],
-                per_rank=tuple(moved[name] for name in pair.per_rank),
+                per_rank=tuple((moved[name], divisor) for name, divisor in pair.per_rank),
+                shared={moved[c]: kv for c, kv in pair.shared.items()},
             )
             found.append((twin, owner))
     return found

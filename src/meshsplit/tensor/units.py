@@ -75,8 +75,12 @@ class Decision:
     """Row split only: slice a replicated input, since no column layer feeds it split."""
     parts: int = 1
     """Column split only: fused parts (3 for q|k|v in one weight), each split by heads."""
-    per_rank: tuple[str, ...] = ()
-    """Row split only: 'module.attribute' ints (head counts, split sizes) divided by tp."""
+    per_rank: tuple[tuple[str, int], ...] = ()
+    """Row split only: ('module.attribute', divisor) of the ints (head counts, split sizes)
+    each rank divides (by tp; see dataflow.head_counts for kv heads ranks share)."""
+    shared: int = 0
+    """Column split only: the kv heads tp ranks share (fewer than tp): the weight stays
+    whole, each rank computes its kv head's block, and the gradients are summed over tp."""
     tied: str = ""
     """Vocab/column split only: the layers whose weight this one shares, comma-separated
     (one shared shard)."""
@@ -85,8 +89,8 @@ class Decision:
     counted on tp rank 0)."""
     summed: tuple[str, ...] = ()
     """Parameters (names in the model) whose gradients are summed over tp: a layer kept whole
-    that runs inside a split pair on each rank's slice of the activations, or an experts
-    module's whole bias counted on tp rank 0."""
+    that runs inside a split pair on each rank's slice of the activations, a column whose
+    kv heads ranks share, or an experts module's whole bias counted on tp rank 0."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer": self.layer, "split": self.split, "reason": self.reason}
@@ -108,7 +112,8 @@ class Unit:
     required: tuple[str, int] | None = None
     """(what, size) that tp must divide, for a split that must happen."""
     parts: int = 1
-    per_rank: tuple[str, ...] = ()
+    per_rank: tuple[tuple[str, int], ...] = ()
+    shared: int = 0
     tied: list[Unit] = field(default_factory=list)
     """The layers sharing this one's weight (one shared shard under a vocabulary split)."""
     wiring: dict[str, bool] = field(default_factory=dict)
