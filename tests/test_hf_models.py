@@ -145,6 +145,14 @@ def test_more_architectures_match_one_process_under_pp2_x_tp2() -> None:
     _check(cases, ms.launch(_parallel, 4, args=(cases,), timeout_s=600))
 
 
+@pytest.mark.timeout(600)
+def test_models_with_two_kv_heads_share_them_under_tp4_and_split_the_rest() -> None:
+    # the query heads split, two ranks share each kv head: a third of the weights per rank
+    # (the attention whole on every rank, as before the kv heads were shared: 0.48)
+    cases: list[Case] = [(model, (1, 1, 4)) for model in ("mistral", "qwen2", "gemma", "qwen3")]
+    _check(cases, ms.launch(_parallel, 4, args=(cases,), timeout_s=300), share=0.36)
+
+
 @pytest.mark.timeout(900)
 def test_every_model_matches_one_process_under_zero_bubble_and_interleaved() -> None:
     cases: list[Case] = [
