@@ -37,7 +37,7 @@ from meshsplit.plan import Plan
 from meshsplit.precision import Precision
 from meshsplit.runtime.rank_memory import RankMemory
 from meshsplit.runtime.runner import LocalRunner, Runner
-from meshsplit.tensor.staged import staging
+from meshsplit.tensor.staged import forget_staging, staging
 
 __all__: list[str] = []
 
@@ -67,12 +67,14 @@ class Applied:
     def close(self, plan: Plan, mesh: Mesh) -> None:
         """Give back what applying the plan took: hooks, gradient buckets, optimizer state
         (and its files under offload), pipeline receive pools and the staging buffers of
-        this tp group (not those of a tp group that is the whole world, which every engine
-        shares), then the freed heap to the OS."""
+        this tp group (a tp group that is the whole world, which every engine shares, only
+        forgets them: an engine still open makes new ones), then the freed heap to the OS."""
         self.sync.close()
         buffers = [*self.sync.gradient_tensors(), *self.runner.communication_buffers()]
         if plan.tp > 1 and (tp_group := mesh.group("tp")) is not dist.group.WORLD:
             buffers += staging(tp_group).buffers
+        if plan.tp > 1:
+            forget_staging(mesh.group("tp"))
         for param in self.runner.parameters():
             param.grad = None
         reclaim.free_storages(buffers)

@@ -391,9 +391,9 @@ class Engine:
     def close(self) -> None:
         """Give back what the engine took: its hooks, gradient buckets, optimizer state (and
         its files under offload), pipeline receive pools and the staging buffers of its own
-        tp group, then the freed heap to the OS. The model, the process group (and the
-        staging buffers of a tp group that is the whole world, shared by every engine) stay
-        for the caller; the engine then refuses to train."""
+        tp group (one that is the whole world, shared by every engine, forgets them), then
+        the freed heap to the OS. The model and the process group stay for the caller; the
+        engine then refuses to train."""
         self._closed = True
         self._guard.close()
         if self._applied is not None:

@@ -22,6 +22,7 @@ __all__ = [
     "all_gather_along",
     "all_reduce_fresh",
     "all_reduce_together",
+    "forget_staging",
     "own_slice",
     "staging",
 ]
@@ -59,6 +60,12 @@ def staging(group: dist.ProcessGroup) -> Staging:
     if found is None:
         found = _STAGING[group] = Staging()
     return found
+
+
+def forget_staging(group: dist.ProcessGroup) -> None:
+    """Drop `group`'s staging buffers: its next collective makes new ones, sized by what it
+    carries then (a closed engine's largest collective no longer sizes the next engine's)."""
+    _STAGING.pop(group, None)
 
 
 def all_reduce_fresh(
