@@ -141,6 +141,13 @@ def test_launch_rejects_bad_process_count() -> None:
         ms.launch(_threads, 0)
 
 
+def test_a_lambda_that_cannot_reach_the_workers_is_named_before_any_starts() -> None:
+    started = time.monotonic()
+    with pytest.raises(TypeError, match="cannot be pickled: .*lambda.*at module level"):
+        ms.launch(lambda: 0, 2)
+    assert time.monotonic() - started < 5  # refused here, not after starting workers
+
+
 def test_launch_joins_a_torchrun_job(tmp_path) -> None:
     out = tmp_path / "results.json"
     script = Path(__file__).with_name("torchrun_job.py")

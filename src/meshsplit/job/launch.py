@@ -107,6 +107,11 @@ def launch(
         # device_count asks NVML, which leaves CUDA uninitialised here for the workers
         backend = backend or ("nccl" if 0 < nprocs <= torch.cuda.device_count() else "gloo")
     backend = backend or default_backend(nprocs)
+    worker: Callable[..., None] = forked_worker
+    job: tuple[Any, ...] = (fn, args, kwargs)
+    if start_method != "fork":  # unpickled in the worker once this environment is in place
+        # by value: torch's shared-memory handles in a payload could be claimed by one worker
+        worker, job = started_worker, (_by_value(job), dict(os.environ), LauncherOutput())
     # a forked worker copies this process's threads' locks, not the threads: the store's
     # server thread starts only after the fork, on a port reserved now (workers retry)
     store = None if start_method == "fork" else _store_server(0, nprocs, timeout_s)
@@ -115,12 +120,6 @@ def launch(
     if start_method == "forkserver":
         # imported once; torch._dynamo is imported by the first parallelize (half a second)
         context.set_forkserver_preload(["meshsplit", "torch._dynamo", *_preloaded()])
-    worker: Callable[..., None] = forked_worker
-    job: tuple[Any, ...] = (fn, args, kwargs)
-    if start_method != "fork":  # unpickled in the worker once this environment is in place
-        # by value: torch's shared-memory handles in a payload could be claimed by one worker
-        payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-        worker, job = started_worker, (payload, dict(os.environ), LauncherOutput())
     with tempfile.TemporaryDirectory(prefix="meshsplit-") as folder:
         workdir = Path(folder)
         processes = [
@@ -321,3 +320,17 @@ def _join_torchrun(
     dist.barrier()
     dist.destroy_process_group()
     return gathered
+
+
+def _by_value(job: tuple[Any, ...]) -> bytes:
+    """The (function, args, kwargs) a started worker unpickles, or a TypeError saying what
+    cannot travel and how to send it (before any worker starts)."""
+    try:
+        return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            f"the workers receive the function and its arguments by pickle, and one cannot be "
+            f"pickled: {error}. Define functions (and the optimizer and loss factories given "
+            "to ms.choose_plan or ms.launch) at module level, not as lambdas or local "
+            "functions, or launch with start_method='fork'"
+        ) from error
