@@ -8,6 +8,7 @@ reference models and on Hugging Face models.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -141,6 +142,13 @@ def test_estimate_is_within_ten_percent_of_every_ranks_measured_peak(workers: in
                 "parameters", "gradients", "optimizer", "activations", "buffers", "temporaries"
             }  # fmt: skip
             assert sum(estimate.breakdown.values()) == estimate.peak_bytes
+
+
+def test_estimating_leaves_the_callers_excepthook_as_it_was() -> None:
+    # each simulated rank's process group wraps sys.excepthook with a "[rank<r>]: " prefix
+    hook = sys.excepthook
+    _estimate("transformer", ms.Plan(pp=2, tp=2, micro_batches=2))
+    assert sys.excepthook is hook
 
 
 def test_estimate_sees_each_split_hold_less_and_pipelines_hold_buffers() -> None:

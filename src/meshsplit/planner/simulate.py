@@ -9,6 +9,7 @@ what a worker will hold. Rationale: docs/internals.md#plannersimulatepy
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -229,11 +230,15 @@ def fake_group(rank: int, world: int) -> Iterator[None]:
     process group): one process runs a rank's real code without its peers."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    # init_process_group wraps sys.excepthook to prefix "[rank<r>]: " and nothing unwraps
+    # it: the caller's own tracebacks would carry one prefix per simulated rank
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _rank_estimate(engine: Engine, rank: int, pp: int, tp: int) -> RankEstimate:
