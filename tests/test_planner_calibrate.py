@@ -173,10 +173,14 @@ def test_measures_this_machine_once_then_reads_the_cache(tmp_path, monkeypatch) 
 
 def test_sharing_times_a_blocking_all_reduce_at_every_payload_in_real_workers() -> None:
     """What a collective costs busy ranks is measured per payload (the price per byte in
-    lockstep is not the idle link's), and a larger payload is never priced below a smaller."""
+    lockstep is not the idle link's), and a larger payload is never priced below a smaller.
+    The optimizer is a lambda, as users write it: the workers fork instead of unpickling it."""
     model = nn.Sequential(nn.Linear(8, 8))
     batch = (torch.randn(16, 8), torch.randint(0, 8, (16,)))
-    sharing = measure_sharing(model, batch, 2, cores=2, window_s=0.02)
+    sharing = measure_sharing(
+        model, batch, 2, cores=2, window_s=0.02,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )  # fmt: skip
     points = sharing.lockstep_s[2]
     assert [nbytes for nbytes, _ in points] == [float(n) for n in LOCKSTEP_PAYLOADS]
     seconds = [s for _, s in points]

@@ -9,6 +9,7 @@ what a blocking collective costs when every rank is busy between them.
 from __future__ import annotations
 
 import copy
+import pickle
 import statistics
 import time
 from collections.abc import Callable
@@ -62,7 +63,12 @@ def measure_sharing(
     A matmul loop understates the slowdown (a step is many small ops), and an idle pair of
     ranks understates what a message or a collective costs when the ranks compete for cores.
     """
-    results = launch(_plain_steps, workers, args=(model, batch, optimizer, loss_fn, window_s))
+    results = launch(
+        _plain_steps,
+        workers,
+        args=(model, batch, optimizer, loss_fn, window_s),
+        start_method=_start_method(optimizer, loss_fn),
+    )
     sizes = results[0][3]
     return Sharing(
         slowdown=trials_slowdown(results[0][0], [r[1] for r in results]),
@@ -84,6 +90,19 @@ def trials_slowdown(alone: list[float], together: list[list[float]]) -> float:
 def _slowest(tables: list[tuple[tuple[float, float], ...]]) -> tuple[tuple[float, float], ...]:
     """Per payload, the slowest rank's seconds: a collective ends when its last rank's does."""
     return tuple((points[0][0], max(p[1] for p in points)) for points in zip(*tables, strict=True))
+
+
+def _start_method(*factories: Any) -> str:
+    """How to start the measuring workers: by forkserver, as every launch, unless the user's
+    factories cannot travel by pickle (a lambda, as `ms.Trainer` takes them: it forks too)
+    and CUDA is not initialised here, which a forked worker could not use."""
+    if torch.cuda.is_initialized():
+        return "forkserver"
+    try:
+        pickle.dumps(factories)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return "fork"
+    return "forkserver"
 
 
 def _plain_steps(
