@@ -18,7 +18,7 @@ import meshsplit as ms
 transformers = pytest.importorskip("transformers")
 
 from hf_models import VOCAB, Wrap  # noqa: E402
-from reference import train_plainly  # noqa: E402
+from reference import assert_matches, train_plainly  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 ATTENTION = "m.model.layers.0.self_attn"
@@ -86,23 +86,18 @@ def _expected(kv_heads: int) -> tuple[list[float], dict[str, torch.Tensor], int]
 def _check(cases: list[tuple[int, ms.Plan, float]], per_rank: list[list[dict[str, Any]]]) -> None:
     for index, (kv_heads, plan, share) in enumerate(cases):
         want_losses, want_state, whole = _expected(kv_heads)
-        for rank, results in enumerate(per_rank):
-            got, where = results[index], f"{kv_heads} kv heads, {plan.describe()}, rank {rank}"
-            torch.testing.assert_close(
-                torch.tensor(got["losses"]), torch.tensor(want_losses), rtol=RTOL, atol=ATOL,
-                msg=lambda m, where=where: f"{where}: {m}",
-            )  # fmt: skip
-            for key, value in want_state.items():
-                torch.testing.assert_close(
-                    got["state"][key], value, rtol=RTOL, atol=ATOL,
-                    msg=lambda m, where=where, key=key: f"{where} {key}: {m}",
-                )  # fmt: skip
-            local = got["local"]
-            if local:  # a rank of the stage holding the first block
-                q, k = local[f"{ATTENTION}.q_proj.weight"], local[f"{ATTENTION}.k_proj.weight"]
+        got = [results[index] for results in per_rank]
+        case = f"{kv_heads} kv heads, {plan.describe()}"
+        runs = [(run["losses"], run["state"]) for run in got]
+        assert_matches(runs, (want_losses, want_state), rtol=RTOL, atol=ATOL, case=case)
+        for rank, run in enumerate(got):
+            where = f"{case}, rank {rank}"
+            if run["local"]:  # a rank of the stage holding the first block
+                q = run["local"][f"{ATTENTION}.q_proj.weight"]
+                k = run["local"][f"{ATTENTION}.k_proj.weight"]
                 assert q[0] * plan.tp == 32, where  # its query heads only
                 assert k[0] == 8 * kv_heads, where  # the kv heads whole, shared
-            assert got["held"] < share * whole, (where, got["held"] / whole)
+            assert run["held"] < share * whole, (where, run["held"] / whole)
 
 
 @pytest.mark.timeout(600)
