@@ -322,12 +322,25 @@ def _join_torchrun(
     return gathered
 
 
+UNPICKLABLE = (pickle.PicklingError, AttributeError, TypeError)
+"""What pickling a value that cannot travel raises (a lambda, a local function, a lock)."""
+
+
+def picklable(*values: Any) -> bool:
+    """Whether `values` can travel to a started worker by pickle."""
+    try:
+        pickle.dumps(values)
+    except UNPICKLABLE:
+        return False
+    return True
+
+
 def _by_value(job: tuple[Any, ...]) -> bytes:
     """The (function, args, kwargs) a started worker unpickles, or a TypeError saying what
     cannot travel and how to send it (before any worker starts)."""
     try:
         return pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError) as error:
+    except UNPICKLABLE as error:
         raise TypeError(
             f"the workers receive the function and its arguments by pickle, and one cannot be "
             f"pickled: {error}. Define functions (and the optimizer and loss factories given "

@@ -9,7 +9,6 @@ what a blocking collective costs when every rank is busy between them.
 from __future__ import annotations
 
 import copy
-import pickle
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.batch import LossFn, call_model, rows, take_rows
-from meshsplit.job.launch import launch
+from meshsplit.job.launch import launch, picklable
 from meshsplit.job.worker import threads_per_worker
 from meshsplit.mesh import job_timeout
 from meshsplit.pipeline.schedules import Action
@@ -96,13 +95,9 @@ def _start_method(*factories: Any) -> str:
     """How to start the measuring workers: by forkserver, as every launch, unless the user's
     factories cannot travel by pickle (a lambda, as `ms.Trainer` takes them: it forks too)
     and CUDA is not initialised here, which a forked worker could not use."""
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() or picklable(*factories):
         return "forkserver"
-    try:
-        pickle.dumps(factories)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        return "fork"
-    return "forkserver"
+    return "fork"
 
 
 def _plain_steps(

@@ -71,10 +71,11 @@ class Applied:
         forgets them: an engine still open makes new ones), then the freed heap to the OS."""
         self.sync.close()
         buffers = [*self.sync.gradient_tensors(), *self.runner.communication_buffers()]
-        if plan.tp > 1 and (tp_group := mesh.group("tp")) is not dist.group.WORLD:
-            buffers += staging(tp_group).buffers
         if plan.tp > 1:
-            forget_staging(mesh.group("tp"))
+            tp_group = mesh.group("tp")
+            if tp_group is not dist.group.WORLD:  # no other engine's: freed now
+                buffers += staging(tp_group).buffers
+            forget_staging(tp_group)
         for param in self.runner.parameters():
             param.grad = None
         reclaim.free_storages(buffers)

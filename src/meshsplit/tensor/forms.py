@@ -32,9 +32,9 @@ def parallel_form(module: nn.Module, decision: Decision, group: dist.ProcessGrou
         return split_heads(module, group)
     if decision.split == "vocab":
         return VocabParallelEmbedding.from_module(module, group)  # type: ignore[arg-type]
-    gather, scatter = decision.gather_output, decision.scatter_input
     if decision.shared:
         return SharedHeadsLinear.from_module(module, group, heads=decision.shared)  # type: ignore[arg-type]
+    gather, scatter = decision.gather_output, decision.scatter_input
     if is_conv1d(module):
         if decision.split == "column":
             return ColumnParallelConv1D.from_module(

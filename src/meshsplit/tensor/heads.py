@@ -78,15 +78,24 @@ def _divisor(attr: str, value: int, tp: int, shared: int) -> int:
     return tp
 
 
-@contextmanager
-def divided(model: nn.Module, per_rank: tuple[tuple[str, int], ...]) -> Iterator[None]:
-    """The `per_rank` ints divided by their divisors for the duration."""
+def divide(
+    model: nn.Module, per_rank: tuple[tuple[str, int], ...]
+) -> list[tuple[nn.Module, str, int]]:
+    """Divide the `per_rank` ints by their divisors, in place; (module, attribute, value)
+    of each as it was."""
     saved = []
     for path, divisor in per_rank:
         owner, _, attr = path.rpartition(".")
         module = model.get_submodule(owner)
         saved.append((module, attr, getattr(module, attr)))
         setattr(module, attr, getattr(module, attr) // divisor)
+    return saved
+
+
+@contextmanager
+def divided(model: nn.Module, per_rank: tuple[tuple[str, int], ...]) -> Iterator[None]:
+    """The `per_rank` ints divided by their divisors for the duration."""
+    saved = divide(model, per_rank)
     try:
         yield
     finally:

@@ -25,7 +25,7 @@ from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs
 from meshsplit.tensor.experts import experts_decisions
 from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
 from meshsplit.tensor.forms import parallel_form
-from meshsplit.tensor.heads import head_counts
+from meshsplit.tensor.heads import divide, head_counts
 from meshsplit.tensor.hfplan import STYLES, model_plan
 from meshsplit.tensor.inside import summed_or_whole
 from meshsplit.tensor.layers import tp_group
@@ -332,10 +332,7 @@ def parallelize(
         if decision.split == "column":
             split.input_copies = copies  # type: ignore[assignment]
         setattr(parent, child_name, split)
-        for path, divisor in decision.per_rank:
-            owner_name, _, attr = path.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            setattr(owner, attr, getattr(owner, attr) // divisor)
+        divide(model, decision.per_rank)
     _repoint(model, replaced)
     return decisions
 

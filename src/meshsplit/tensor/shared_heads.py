@@ -41,7 +41,6 @@ class SharedHeadsLinear(ParallelLayer):
         super().__init__(group)
         self.weight = weight
         self.bias = bias
-        self.heads = heads
         rows = weight.shape[0] // heads
         start = dist.get_rank(group) * heads // self.tp * rows
         self.rows = slice(start, start + rows)
