@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import transformers
 from rich.console import Console
 from rich.table import Table
 from torch import nn
@@ -28,6 +27,7 @@ from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
 import meshsplit as ms
 
+from causal_lm import LlamaLM
 from rounds import take_turns
 
 STAGES = 2
@@ -35,25 +35,12 @@ CUT = "m.model.layers.4"
 VOCAB, SEQ = 512, 32
 
 
-class CausalLM(nn.Module):
-    """Token ids -> logits, as a user wraps a Hugging Face model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-            use_cache=False,
-        )  # fmt: skip
-        self.m = transformers.LlamaForCausalLM(config)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=ids).logits
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return CausalLM()
+    return LlamaLM(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:

@@ -19,32 +19,24 @@ import statistics
 from typing import Any
 
 import torch
-import transformers
 from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 import meshsplit as ms
 
+from causal_lm import LlamaLM
 from rounds import take_turns
 
 VOCAB, SEQ, BATCH, LAYERS = 512, 64, 16, 4
 
 
-class CausalLM(nn.Module):
-    """Token ids -> logits, as a user wraps a Hugging Face model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
-            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=SEQ,
-            use_cache=False,
-        )  # fmt: skip
-        self.m = transformers.LlamaForCausalLM(config)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=ids).logits
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return LlamaLM(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
 
 
 def _plans() -> dict[str, ms.Plan]:
@@ -61,9 +53,8 @@ def _worker(rounds: int, steps: int) -> dict[str, Any]:
     x, y = ids[:, :-1], ids[:, 1:]
     engines = {}
     for name, plan in _plans().items():
-        torch.manual_seed(0)
         engines[name] = ms.parallelize(
-            CausalLM(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+            _model(), plan, optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
             loss_fn=ms.models.TokenCrossEntropy(),
         )  # fmt: skip
     times = take_turns(
@@ -87,7 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     per_rank = ms.launch(_worker, 4, args=(args.rounds, args.steps), timeout_s=900)
-    whole = sum(p.numel() * p.element_size() for p in CausalLM().parameters())
+    whole = sum(p.numel() * p.element_size() for p in _model().parameters())
     table = Table(title=f"LLaMA, 8 heads / 2 kv heads, tp=4 (weights {whole / 2**20:.2f} MiB)")
     for column in ("split", "step ms", "x whole", "weights/rank MiB", "share", "peak MiB"):
         table.add_column(column)
