@@ -16,20 +16,19 @@ from meshsplit import tensor
 
 from reference import ATOL, RTOL
 
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
 
 def _pair(first: nn.Module, second: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     """first as column (output left split), second as row (input taken split)."""
-    if isinstance(second, nn.ConvTranspose2d):
+    if isinstance(first, CONVOLUTIONS):
+        transposed = isinstance(second, TRANSPOSED)
+        row = tensor.RowParallelConvTranspose if transposed else tensor.RowParallelConv
         return nn.Sequential(
-            tensor.ColumnParallelConv2d.from_module(first, group),
+            tensor.ColumnParallelConv.from_module(first, group),
             nn.ReLU(),
-            tensor.RowParallelConvTranspose2d.from_module(second, group),
-        )
-    if isinstance(first, nn.Conv2d):
-        return nn.Sequential(
-            tensor.ColumnParallelConv2d.from_module(first, group),
-            nn.ReLU(),
-            tensor.RowParallelConv2d.from_module(second, group),
+            row.from_module(second, group),
         )
     return nn.Sequential(
         tensor.ColumnParallelLinear.from_module(first, group),
@@ -65,14 +64,14 @@ def _cases() -> dict[str, Callable[[], Case]]:
         return (
             nn.Conv2d(3, 8, 3, padding=1),
             torch.randn(2, 3, 6, 6),
-            lambda m, g: tensor.ColumnParallelConv2d.from_module(m, g, gather_output=True),
+            lambda m, g: tensor.ColumnParallelConv.from_module(m, g, gather_output=True),
         )
 
     def row_conv() -> Case:
         return (
             nn.Conv2d(8, 5, 3, stride=2),
             torch.randn(2, 8, 7, 7),
-            lambda m, g: tensor.RowParallelConv2d.from_module(m, g, scatter_input=True),
+            lambda m, g: tensor.RowParallelConv.from_module(m, g, scatter_input=True),
         )
 
     def conv_pair() -> Case:
@@ -83,14 +82,14 @@ def _cases() -> dict[str, Callable[[], Case]]:
         return (
             nn.ConvTranspose2d(3, 8, 4, stride=2, padding=1),
             torch.randn(2, 3, 5, 5),
-            lambda m, g: tensor.ColumnParallelConvTranspose2d.from_module(m, g, gather_output=True),
+            lambda m, g: tensor.ColumnParallelConvTranspose.from_module(m, g, gather_output=True),
         )
 
     def row_conv_transpose() -> Case:
         return (
             nn.ConvTranspose2d(8, 5, 3, stride=2, output_padding=1, dilation=2),
             torch.randn(2, 8, 4, 4),
-            lambda m, g: tensor.RowParallelConvTranspose2d.from_module(m, g, scatter_input=True),
+            lambda m, g: tensor.RowParallelConvTranspose.from_module(m, g, scatter_input=True),
         )
 
     def conv_then_transpose() -> Case:
@@ -98,6 +97,31 @@ def _cases() -> dict[str, Callable[[], Case]]:
             nn.Conv2d(2, 8, 3, stride=2), nn.ReLU(), nn.ConvTranspose2d(8, 3, 2, 2)
         )
         return plain, torch.randn(2, 2, 9, 9), lambda m, g: _pair(m[0], m[2], g)
+
+    def conv1d_pair() -> Case:
+        plain = nn.Sequential(
+            nn.Conv1d(3, 8, 5, padding=2), nn.ReLU(), nn.Conv1d(8, 6, 3, stride=2)
+        )
+        return plain, torch.randn(2, 3, 17), lambda m, g: _pair(m[0], m[2], g)
+
+    def conv3d_pair() -> Case:
+        plain = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 4, 2))
+        return plain, torch.randn(2, 2, 5, 6, 4), lambda m, g: _pair(m[0], m[2], g)
+
+    def conv1d_then_transpose() -> Case:
+        plain = nn.Sequential(
+            nn.Conv1d(3, 8, 3, stride=2),
+            nn.ReLU(),
+            nn.ConvTranspose1d(8, 5, 4, 2, output_padding=1),
+        )
+        return plain, torch.randn(2, 3, 11), lambda m, g: _pair(m[0], m[2], g)
+
+    def column_conv_transpose3d() -> Case:
+        return (
+            nn.ConvTranspose3d(3, 8, 2, stride=2),
+            torch.randn(2, 3, 3, 4, 2),
+            lambda m, g: tensor.ColumnParallelConvTranspose.from_module(m, g, gather_output=True),
+        )
 
     def vocab_embedding() -> Case:
         return (
@@ -119,6 +143,10 @@ def _cases() -> dict[str, Callable[[], Case]]:
         "column_conv_transpose": column_conv_transpose,
         "row_conv_transpose": row_conv_transpose,
         "conv_then_transpose": conv_then_transpose,
+        "conv1d_pair": conv1d_pair,
+        "conv3d_pair": conv3d_pair,
+        "conv1d_then_transpose": conv1d_then_transpose,
+        "column_conv_transpose3d": column_conv_transpose3d,
         "vocab_embedding": vocab_embedding,
         "head_attention": head_attention,
     }
@@ -150,7 +178,7 @@ def _check_layers() -> dict[str, str]:
         dims = tensor.shard_dims(split_module)
         try:
             assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
-            if isinstance(plain, nn.Conv2d | nn.ConvTranspose2d):  # code outside reads them
+            if isinstance(plain, CONVOLUTIONS + TRANSPOSED):  # code outside reads them
                 geometry = ("stride", "padding", "dilation", "kernel_size", "groups")
                 geometry += ("in_channels", "out_channels")
                 for attribute in geometry:

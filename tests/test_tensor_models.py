@@ -137,24 +137,72 @@ def _autoencoder() -> torch.nn.Module:
     )
 
 
-def _train_autoencoder(plan: ms.Plan | None) -> tuple[list[float], dict, float]:
-    model = _autoencoder()
+def _signal_net() -> torch.nn.Module:
+    """Conv1d over a signal, a pooling between the pair, ConvTranspose1d up (audio, sequences)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Flatten(2),  # (B, 1, 28, 28) -> a 784-sample signal
+        nn.Conv1d(1, 16, 5, stride=4, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(16, 16, 3, padding=1),
+        nn.MaxPool1d(2),
+        nn.Conv1d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.ConvTranspose1d(16, 8, 2, stride=2),
+        nn.Flatten(),
+        nn.Linear(8 * 196, 10),
+    )
+
+
+def _volume_net() -> torch.nn.Module:
+    """Conv3d pairs over a volume (video, medical scans)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Unflatten(2, (4, 7)),  # (B, 1, 28, 28) -> a 4 x 7 x 28 volume
+        nn.Conv3d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv3d(16, 16, 3, stride=(1, 1, 2), padding=1),
+        nn.ReLU(),
+        nn.AvgPool3d((2, 1, 2)),
+        nn.Flatten(),
+        nn.Linear(16 * 2 * 7 * 7, 10),
+    )
+
+
+CONV_NETS = {"autoencoder": _autoencoder, "signal": _signal_net, "volume": _volume_net}
+
+
+def _train_conv_net(name: str, plan: ms.Plan | None) -> tuple[list[float], dict, list[float]]:
+    """Losses and state after 3 SGD steps; under a plan also each convolution's share of its
+    whole weight on this rank."""
+    model = CONV_NETS[name]()
     steps = batches("cnn", 8, 3)
     sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     if plan is None:
         loss_fn = torch.nn.CrossEntropyLoss()
-        return (*train_plainly(model, sgd(model.parameters()), loss_fn, steps), 1.0)
-    whole = sum(p.numel() for p in model.parameters())
+        return (*train_plainly(model, sgd(model.parameters()), loss_fn, steps), [])
+    whole = {n: p.numel() for n, p in model.named_parameters() if p.dim() > 2}
     engine = ms.parallelize(model, plan, optimizer=sgd, loss_fn=torch.nn.CrossEntropyLoss())
     losses = [engine.train_step(x, y) for x, y in steps]
-    held = sum(p.numel() for p in engine.module.parameters()) / whole
+    held = dict(engine.module.named_parameters())
+    shares = [held[n].numel() / size for n, size in whole.items()]
     state = engine.full_state_dict()
     engine.close()
-    return losses, state, held
+    return losses, state, shares
 
 
-def test_transposed_convolutions_split_by_channels() -> None:
-    per_rank = ms.launch(_train_autoencoder, 2, args=(ms.Plan(tp=2),))
-    losses, state, _ = _train_autoencoder(None)
-    assert_matches([(r[0], r[1]) for r in per_rank], (losses, state))
-    assert all(r[2] < 0.55 for r in per_rank), [r[2] for r in per_rank]
+def _train_conv_nets(plan: ms.Plan) -> list[tuple[list[float], dict, list[float]]]:
+    return [_train_conv_net(name, plan) for name in CONV_NETS]
+
+
+def test_convolutions_of_every_dimension_split_by_channels() -> None:
+    # Conv1d/2d/3d and their transposed forms: every convolution holds half its weight
+    per_rank = ms.launch(_train_conv_nets, 2, args=(ms.Plan(tp=2),))
+    for index, name in enumerate(CONV_NETS):
+        losses, state, _ = _train_conv_net(name, None)
+        assert_matches([r[index][:2] for r in per_rank], (losses, state), case=name)
+        for rank, results in enumerate(per_rank):
+            shares = results[index][2]
+            assert shares == [0.5] * len(shares), (name, rank, shares)

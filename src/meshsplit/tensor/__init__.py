@@ -1,6 +1,6 @@
 """Operator split: one operator's weight divided over the tp axis.
 
-`parallelize(model, mesh)` rewrites a model in place (Megatron pairs for Linear and Conv2d,
+`parallelize(model, mesh)` rewrites a model in place (Megatron pairs for Linear and convolutions,
 heads for attention, vocabulary for Embedding) and returns one `Decision` per layer;
 `plan_splits(model, tp)` makes the same decisions without processes, for checking a plan.
 Given `example=` (one model input), pairs are found through the model's data flow.
@@ -8,12 +8,9 @@ Given `example=` (one model input), pairs are found through the model's data flo
 
 from meshsplit.tensor.attention import HeadParallelAttention, split_heads
 from meshsplit.tensor.collectives import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from meshsplit.tensor.conv import ColumnParallelConv, RowParallelConv
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D
-from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
-from meshsplit.tensor.conv_transpose import (
-    ColumnParallelConvTranspose2d,
-    RowParallelConvTranspose2d,
-)
+from meshsplit.tensor.conv_transpose import ColumnParallelConvTranspose, RowParallelConvTranspose
 from meshsplit.tensor.gradient_sum import TpGradientSum
 from meshsplit.tensor.layers import (
     ColumnParallelLinear,
@@ -33,15 +30,15 @@ from meshsplit.tensor.shards import (
 
 __all__ = [
     "ColumnParallelConv1D",
-    "ColumnParallelConv2d",
-    "ColumnParallelConvTranspose2d",
+    "ColumnParallelConv",
+    "ColumnParallelConvTranspose",
     "ColumnParallelLinear",
     "Decision",
     "HeadParallelAttention",
     "ParallelLayer",
     "RowParallelConv1D",
-    "RowParallelConv2d",
-    "RowParallelConvTranspose2d",
+    "RowParallelConv",
+    "RowParallelConvTranspose",
     "RowParallelLinear",
     "TpGradientSum",
     "VocabParallelEmbedding",

@@ -1,7 +1,8 @@
-"""Parallel ConvTranspose2d layers: split by output channels (column) or by input channels
-(row), as `conv2d.py` splits Conv2d. A transposed convolution is linear in its input channels
-too; its weight is laid out (in, out, kH, kW), so a column splits dimension 1 and a row
-dimension 0. Decoders and generators pair them with Conv2d or with each other.
+"""Parallel transposed convolutions (ConvTranspose1d, 2d, 3d): split by output channels
+(column) or by input channels (row), as `conv.py` splits convolutions. A transposed
+convolution is linear in its input channels too; its weight is laid out (in, out, *kernel), so
+a column splits dimension 1 and a row dimension 0. Decoders and generators pair them with
+convolutions or with each other.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from meshsplit.plan import PlanError
 from meshsplit.tensor import layers
 from meshsplit.tensor.shards import ParallelLayer
 
-__all__ = ["ColumnParallelConvTranspose2d", "RowParallelConvTranspose2d"]
+__all__ = ["TRANSPOSED", "ColumnParallelConvTranspose", "RowParallelConvTranspose"]
+
+TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONVOLVE = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}
+"""The functional transposed convolution for a weight of that many dims (in, out, *kernel)."""
+TransposedConv = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
 _GEOMETRY = ("stride", "padding", "output_padding", "dilation", "kernel_size")
 
@@ -36,10 +42,10 @@ class _Transposed(ParallelLayer):
     in_channels: int
     out_channels: int
 
-    def _keep_geometry(self, conv: nn.ConvTranspose2d) -> None:
+    def _keep_geometry(self, conv: TransposedConv) -> None:
         if conv.groups != 1 or conv.padding_mode != "zeros":
             raise PlanError(
-                f"ConvTranspose2d with groups={conv.groups} cannot be split by channels; "
+                f"{type(conv).__name__} with groups={conv.groups} cannot be split by channels; "
                 "replicate it (tp_plan={'<name>': 'replicate'})"
             )
         for key in (*_GEOMETRY, "in_channels", "out_channels"):
@@ -53,7 +59,7 @@ class _Transposed(ParallelLayer):
             list(self.stride),
             list(self.padding),
             list(self.kernel_size),
-            2,
+            len(self.kernel_size),
             list(self.dilation),
         )
         return {
@@ -64,8 +70,9 @@ class _Transposed(ParallelLayer):
         }
 
 
-class ColumnParallelConvTranspose2d(_Transposed):
-    """ConvTranspose2d split by output channels: rank i makes channels conv_t(X, W[:, i]) + b_i.
+class ColumnParallelConvTranspose(_Transposed):
+    """A transposed convolution split by output channels: rank i makes channels
+    conv_t(X, W[:, i]) + b_i.
 
     Input: replicated, entered by copy (backward: all-reduce dX). Output: channels split along
     dim 1, or whole when `gather_output`.
@@ -74,7 +81,7 @@ class ColumnParallelConvTranspose2d(_Transposed):
     shard_dims: ClassVar[dict[str, int]] = {"weight": 1, "bias": 0}
 
     def __init__(
-        self, *, conv: nn.ConvTranspose2d, group: dist.ProcessGroup, gather_output: bool
+        self, *, conv: TransposedConv, group: dist.ProcessGroup, gather_output: bool
     ) -> None:
         super().__init__(group)
         self._keep_geometry(conv)
@@ -87,21 +94,22 @@ class ColumnParallelConvTranspose2d(_Transposed):
     @classmethod
     def from_module(
         cls,
-        conv: nn.ConvTranspose2d,
+        conv: TransposedConv,
         mesh_or_group: Mesh | dist.ProcessGroup,
         *,
         gather_output: bool = False,
-    ) -> ColumnParallelConvTranspose2d:
+    ) -> ColumnParallelConvTranspose:
         return cls(conv=conv, group=layers.tp_group(mesh_or_group), gather_output=gather_output)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         options = self._options(x, output_size)
-        y = F.conv_transpose2d(layers.enter_copy(self, x), self.weight, self.bias, **options)
+        convolve = _CONVOLVE[self.weight.dim()]
+        y = convolve(layers.enter_copy(self, x), self.weight, self.bias, **options)
         return layers.leave_gather(self, y, 1) if self.gather_output else y
 
 
-class RowParallelConvTranspose2d(_Transposed):
-    """ConvTranspose2d split by input channels: Y = sum_i conv_t(X_i, W[i]), then + b.
+class RowParallelConvTranspose(_Transposed):
+    """A transposed convolution split by input channels: Y = sum_i conv_t(X_i, W[i]), then + b.
 
     Input: X_i (channels split along dim 1), or replicated X sliced here when `scatter_input`.
     Output: the sum over tp (forward: all-reduce), then the replicated bias.
@@ -110,7 +118,7 @@ class RowParallelConvTranspose2d(_Transposed):
     shard_dims: ClassVar[dict[str, int]] = {"weight": 0}
 
     def __init__(
-        self, *, conv: nn.ConvTranspose2d, group: dist.ProcessGroup, scatter_input: bool
+        self, *, conv: TransposedConv, group: dist.ProcessGroup, scatter_input: bool
     ) -> None:
         super().__init__(group)
         self._keep_geometry(conv)
@@ -121,16 +129,16 @@ class RowParallelConvTranspose2d(_Transposed):
     @classmethod
     def from_module(
         cls,
-        conv: nn.ConvTranspose2d,
+        conv: TransposedConv,
         mesh_or_group: Mesh | dist.ProcessGroup,
         *,
         scatter_input: bool = False,
-    ) -> RowParallelConvTranspose2d:
+    ) -> RowParallelConvTranspose:
         return cls(conv=conv, group=layers.tp_group(mesh_or_group), scatter_input=scatter_input)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.scatter_input:
             x = layers.enter_slice(self, x, 1)
         options = self._options(x, output_size)
-        y = layers.leave_sum(self, F.conv_transpose2d(x, self.weight, None, **options))
-        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+        y = layers.leave_sum(self, _CONVOLVE[self.weight.dim()](x, self.weight, None, **options))
+        return y if self.bias is None else y + layers.channel_bias(self.bias, y)

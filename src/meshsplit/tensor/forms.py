@@ -7,11 +7,12 @@ import torch.distributed as dist
 from torch import nn
 
 from meshsplit.tensor.attention import split_heads
+from meshsplit.tensor.conv import CONVOLUTIONS, ColumnParallelConv, RowParallelConv
 from meshsplit.tensor.conv1d import ColumnParallelConv1D, RowParallelConv1D, is_conv1d
-from meshsplit.tensor.conv2d import ColumnParallelConv2d, RowParallelConv2d
 from meshsplit.tensor.conv_transpose import (
-    ColumnParallelConvTranspose2d,
-    RowParallelConvTranspose2d,
+    TRANSPOSED,
+    ColumnParallelConvTranspose,
+    RowParallelConvTranspose,
 )
 from meshsplit.tensor.experts import split_experts_module
 from meshsplit.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -41,14 +42,14 @@ def parallel_form(module: nn.Module, decision: Decision, group: dist.ProcessGrou
                 module, group, gather_output=gather, parts=decision.parts
             )
         return RowParallelConv1D.from_module(module, group, scatter_input=scatter)
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, CONVOLUTIONS):
         if decision.split == "column":
-            return ColumnParallelConv2d.from_module(module, group, gather_output=gather)
-        return RowParallelConv2d.from_module(module, group, scatter_input=scatter)
-    if isinstance(module, nn.ConvTranspose2d):
+            return ColumnParallelConv.from_module(module, group, gather_output=gather)
+        return RowParallelConv.from_module(module, group, scatter_input=scatter)
+    if isinstance(module, TRANSPOSED):
         if decision.split == "column":
-            return ColumnParallelConvTranspose2d.from_module(module, group, gather_output=gather)
-        return RowParallelConvTranspose2d.from_module(module, group, scatter_input=scatter)
+            return ColumnParallelConvTranspose.from_module(module, group, gather_output=gather)
+        return RowParallelConvTranspose.from_module(module, group, scatter_input=scatter)
     if decision.split == "column":
         return ColumnParallelLinear.from_module(
             module,  # type: ignore[arg-type]

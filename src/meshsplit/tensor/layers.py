@@ -4,7 +4,7 @@
 the unsplit one's parameters under the same names; `shard_dims` says which are split along
 which dim. A column layer feeding a row layer (Megatron) needs one all-reduce in forward and
 one in backward. Attention split by heads lives in `attention.py`, convolutions in
-`conv2d.py` and `conv1d.py`.
+`conv.py`, `conv_transpose.py` and `conv1d.py` (Hugging Face's Conv1D).
 Rationale: docs/internals.md#tensorlayerspy
 """
 
@@ -128,6 +128,11 @@ def copy_param(tensor: torch.Tensor | None) -> nn.Parameter | None:
     if tensor is None:
         return None
     return nn.Parameter(tensor.detach().clone(), requires_grad=tensor.requires_grad)
+
+
+def channel_bias(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A row convolution's replicated bias, shaped to add along channels (dim 1) of `y`."""
+    return bias.to(y.dtype).view(1, -1, *[1] * (y.dim() - 2))
 
 
 class ColumnParallelLinear(ParallelLayer):

@@ -273,7 +273,7 @@ def plan_splits(
         why = "; ".join(f"{d.name}: {d.reason}" for d in decisions + others)
         raise PlanError(
             f"Plan.tp={tp} splits no layer of {type(model).__name__}: "
-            f"{why or 'no Linear/Conv2d'}; use tp=1"
+            f"{why or 'no Linear or convolution'}; use tp=1"
         )
     decisions = [
         _with_sum(d, summed[d.name]) if d.name in summed else d for d in decisions + others

@@ -1,8 +1,8 @@
 """The layers an operator split can act on, found by walking the model once.
 
-A *unit* is a layer meshsplit has a parallel form for: Linear, Hugging Face Conv1D, Conv2d,
-Embedding, or an attention module (Linear children q, k, v, out and an int `n_heads`; torch's
-nn.MultiheadAttention). A
+A *unit* is a layer meshsplit has a parallel form for: Linear, Hugging Face Conv1D, a plain
+convolution (Conv1d, Conv2d, Conv3d and their transposed forms), Embedding, or an attention
+module (Linear children q, k, v, out and an int `n_heads`; torch's nn.MultiheadAttention). A
 subclass that brings its own forward (OPT's learned positional embedding offsets its ids) is
 not a unit: a parallel layer would drop that behaviour, so it is kept whole; unless it holds
 only the base's tensors and gives the base's output on a probe (Falcon's `FalconLinear`
@@ -26,7 +26,9 @@ from torch import nn
 from meshsplit.memory.lazy_model import LENDS_VALUES
 from meshsplit.plan import PlanError
 from meshsplit.tensor.attention import HeadParallelAttention
+from meshsplit.tensor.conv import CONVOLUTIONS
 from meshsplit.tensor.conv1d import is_conv1d
+from meshsplit.tensor.conv_transpose import TRANSPOSED
 from meshsplit.tensor.layers import embedding_scale
 from meshsplit.tensor.multihead import multihead_refusal
 from meshsplit.tensor.shards import ParallelLayer
@@ -47,11 +49,17 @@ ELEMENTWISE = (
     nn.Dropout,
     nn.Identity,
 )
-CHANNELWISE = (*ELEMENTWISE, nn.MaxPool2d, nn.AvgPool2d, nn.Dropout2d)
+CHANNELWISE = (
+    *ELEMENTWISE,
+    *(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
+    *(nn.Dropout1d, nn.Dropout2d, nn.Dropout3d),
+)
 BASES: dict[type[nn.Module], str] = {
     nn.Linear: "out_features",
     nn.Embedding: "num_embeddings",
+    nn.Conv1d: "out_channels",
     nn.Conv2d: "out_channels",
+    nn.Conv3d: "out_channels",
 }
 """Classes whose own forward a parallel layer reproduces (a subclass must not override it),
 each with the attribute that gives its weight's first dimension."""
@@ -138,9 +146,9 @@ def own_forward(module: nn.Module) -> str | None:
     for base in BASES:
         if isinstance(module, base) and type(module).forward is not base.forward:
             return None if _same_as_base(module, base) else type(module).__name__
-    transposed = isinstance(module, nn.ConvTranspose2d)
-    if transposed and type(module).forward is not nn.ConvTranspose2d.forward:
-        return type(module).__name__  # not probed: kept whole
+    for transposed in TRANSPOSED:
+        if isinstance(module, transposed) and type(module).forward is not transposed.forward:
+            return type(module).__name__  # not probed: kept whole
     return None
 
 
@@ -163,7 +171,7 @@ def _same_as_base(module: nn.Module, base: type[nn.Module]) -> bool:
     probe = torch.Generator(device=device).manual_seed(0)
     if isinstance(module, nn.Embedding):
         x = torch.randint(0, module.num_embeddings, (2, 3), generator=probe, device=device)
-    elif isinstance(module, nn.Conv2d):
+    elif isinstance(module, CONVOLUTIONS):
         size = (1, module.in_channels, *(2 * k + 1 for k in module.kernel_size))
         x = torch.randn(size, generator=probe, device=device, dtype=dtype)
     else:
@@ -218,7 +226,7 @@ def kind_of(module: nn.Module) -> str | None:
         return "attention"
     if isinstance(module, nn.Linear) or is_conv1d(module):
         return "linear"
-    convolution = isinstance(module, nn.Conv2d | nn.ConvTranspose2d)
+    convolution = isinstance(module, CONVOLUTIONS + TRANSPOSED)
     if convolution and module.groups == 1 and module.padding_mode == "zeros":
         return "conv"
     if isinstance(module, nn.Embedding) and not (module.max_norm is not None or module.sparse):
@@ -228,7 +236,7 @@ def kind_of(module: nn.Module) -> str | None:
 
 def _kept_whole(module: nn.Module) -> str:
     """Why a layer with parameters of its own stays whole on every tp rank."""
-    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
+    if isinstance(module, CONVOLUTIONS + TRANSPOSED):
         return (
             f"{type(module).__name__} with groups={module.groups}, "
             f"padding_mode={module.padding_mode!r} kept whole: only plain convolutions split "
@@ -266,10 +274,9 @@ def describe(module: nn.Module) -> str:
         return f"Conv1D({n_in}->{out})"
     if isinstance(module, nn.Linear):
         return f"Linear({module.in_features}->{module.out_features})"
-    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
-        kh, kw = module.kernel_size
-        kind = type(module).__name__
-        return f"{kind}({module.in_channels}->{module.out_channels}, {kh}x{kw})"
+    if isinstance(module, CONVOLUTIONS + TRANSPOSED):
+        kernel = "x".join(map(str, module.kernel_size))
+        return f"{type(module).__name__}({module.in_channels}->{module.out_channels}, {kernel})"
     if isinstance(module, nn.Embedding):
         return f"Embedding({module.num_embeddings}x{module.embedding_dim})"
     if is_attention(module):
@@ -310,7 +317,7 @@ def walk(model: nn.Module) -> tuple[list[Unit], list[Decision]]:
 
     def visit(module: nn.Module, prefix: str) -> None:
         chain = isinstance(module, nn.Sequential)
-        previous: Unit | None = None  # the last Linear/Conv2d, with only elementwise since
+        previous: Unit | None = None  # the last Linear/convolution, with only elementwise since
         for child_name, child in module.named_children():
             name = prefix + child_name
             if isinstance(child, ParallelLayer | HeadParallelAttention):

@@ -1,6 +1,7 @@
-"""Parallel Conv2d layers: a convolution split by output channels (column) or by input
-channels (row), Megatron's pair carried over to convolutions, which PyTorch's own tensor
-parallel does not split. Rationale: docs/internals.md#tensorlayerspy
+"""Parallel convolutions (Conv1d, Conv2d, Conv3d): split by output channels (column) or by
+input channels (row), Megatron's pair carried over to convolutions, which PyTorch's own tensor
+parallel does not split. Channels are dim 1 of every batched input, whatever the number of
+spatial dims. Rationale: docs/internals.md#tensorlayerspy
 """
 
 from __future__ import annotations
@@ -17,21 +18,27 @@ from meshsplit.plan import PlanError
 from meshsplit.tensor import layers
 from meshsplit.tensor.shards import ParallelLayer
 
-__all__ = ["ColumnParallelConv2d", "RowParallelConv2d"]
+__all__ = ["CONVOLUTIONS", "ColumnParallelConv", "RowParallelConv"]
+
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVOLVE = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
+"""The functional convolution for a weight of that many dims (out, in, *kernel)."""
 
 
-def _conv_options(conv: nn.Conv2d) -> dict[str, Any]:
-    """The geometry F.conv2d needs; refuses what a channel split cannot keep exact."""
+def _conv_options(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> dict[str, Any]:
+    """The geometry F.convNd needs; refuses what a channel split cannot keep exact."""
     if conv.groups != 1 or conv.padding_mode != "zeros":
         raise PlanError(
-            f"Conv2d with groups={conv.groups}, padding_mode={conv.padding_mode!r} cannot be "
-            "split by channels; replicate it (tp_plan={'<name>': 'replicate'})"
+            f"{type(conv).__name__} with groups={conv.groups}, "
+            f"padding_mode={conv.padding_mode!r} cannot be split by channels; "
+            "replicate it (tp_plan={'<name>': 'replicate'})"
         )
     return {"stride": conv.stride, "padding": conv.padding, "dilation": conv.dilation}
 
 
 class _ConvGeometry:
-    """Conv2d's geometry, for code outside the layer that reads it (MobileNetV2's TF padding)."""
+    """The convolution's geometry, for code outside the layer that reads it (MobileNetV2's TF
+    padding)."""
 
     options: dict[str, Any]
     groups, padding_mode = 1, "zeros"
@@ -41,8 +48,8 @@ class _ConvGeometry:
     kernel_size = property(lambda self: tuple(self.weight.shape[2:]))
 
 
-class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
-    """Conv2d split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
+class ColumnParallelConv(_ConvGeometry, ParallelLayer):
+    """A convolution split by output channels: rank i computes channels C_i = conv(X, W_i) + b_i.
 
     Input: replicated X, entered by copy (forward: identity; backward: all-reduce dX over tp).
     Output: channels split along dim 1, or whole when `gather_output` (forward: all-gather;
@@ -72,11 +79,11 @@ class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
     @classmethod
     def from_module(
         cls,
-        conv: nn.Conv2d,
+        conv: nn.Conv1d | nn.Conv2d | nn.Conv3d,
         mesh_or_group: Mesh | dist.ProcessGroup,
         *,
         gather_output: bool = False,
-    ) -> ColumnParallelConv2d:
+    ) -> ColumnParallelConv:
         group = layers.tp_group(mesh_or_group)
         options = _conv_options(conv)
         weight = layers.shard_param(conv.weight, 0, group, layer=conv, what="out_channels")
@@ -90,7 +97,8 @@ class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.conv2d(layers.enter_copy(self, x), self.weight, self.bias, **self.options)
+        convolve = _CONVOLVE[self.weight.dim()]
+        y = convolve(layers.enter_copy(self, x), self.weight, self.bias, **self.options)
         return layers.leave_gather(self, y, 1) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -98,8 +106,8 @@ class ColumnParallelConv2d(_ConvGeometry, ParallelLayer):
         return f"{n_in}->{out}x{self.tp}, kernel={tuple(kernel)}, gather={self.gather_output}"
 
 
-class RowParallelConv2d(_ConvGeometry, ParallelLayer):
-    """Conv2d split by input channels: Y = sum_i conv(X_i, W_i), then + b.
+class RowParallelConv(_ConvGeometry, ParallelLayer):
+    """A convolution split by input channels: Y = sum_i conv(X_i, W_i), then + b.
 
     Convolution is linear in its input channels, so each rank convolves its block of channels
     with its block of W's input channels and the partial maps add up to the whole.
@@ -131,11 +139,11 @@ class RowParallelConv2d(_ConvGeometry, ParallelLayer):
     @classmethod
     def from_module(
         cls,
-        conv: nn.Conv2d,
+        conv: nn.Conv1d | nn.Conv2d | nn.Conv3d,
         mesh_or_group: Mesh | dist.ProcessGroup,
         *,
         scatter_input: bool = False,
-    ) -> RowParallelConv2d:
+    ) -> RowParallelConv:
         group = layers.tp_group(mesh_or_group)
         options = _conv_options(conv)
         weight = layers.shard_param(conv.weight, 1, group, layer=conv, what="in_channels")
@@ -150,8 +158,10 @@ class RowParallelConv2d(_ConvGeometry, ParallelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scatter_input:
             x = layers.enter_slice(self, x, 1)
-        y = layers.leave_sum(self, F.conv2d(x, self.weight, None, **self.options))
-        return y if self.bias is None else y + self.bias.to(y.dtype).view(1, -1, 1, 1)
+        y = layers.leave_sum(
+            self, _CONVOLVE[self.weight.dim()](x, self.weight, None, **self.options)
+        )
+        return y if self.bias is None else y + layers.channel_bias(self.bias, y)
 
     def extra_repr(self) -> str:
         out, n_in, *kernel = self.weight.shape
