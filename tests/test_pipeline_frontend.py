@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 import meshsplit as ms
+from meshsplit import phases
 from meshsplit.pipeline import split_point
 from meshsplit.pipeline.cuts import refuse_stages_without_parameters
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
@@ -172,6 +174,41 @@ def test_profile_measures_every_layer_and_leaves_the_model_unchanged() -> None:
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+class _WaitsForPeers(nn.Module):
+    """A Linear whose forward and backward each wait 50 ms for other ranks, as an operator
+    split's collectives do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with phases.waiting("tp all-reduce wait"):
+            time.sleep(0.05)
+        return _WaitInBackward.apply(self.fc(x))
+
+
+class _WaitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        with phases.waiting("tp all-reduce wait"):
+            time.sleep(0.05)
+        return grad
+
+
+def test_profile_leaves_out_the_waits_for_other_ranks() -> None:
+    # the engine profiles a tp-split model whose collectives wait for peers, an estimate
+    # profiles it with no peers: both must see the same compute, or they cut differently
+    costs = profile_layers(
+        layer_graph(nn.Sequential(_WaitsForPeers(), nn.ReLU())), torch.ones(4, 8)
+    )
+    assert costs[0].forward_ms < 25 and costs[0].backward_ms < 25, costs[0]
 
 
 def test_stages_that_cannot_train_are_refused_before_any_step() -> None:

@@ -46,6 +46,8 @@ _broken: list[tuple[str, Callable[[], dict[str, Any]] | None, float]] = []
 _listeners: list[Callable[[str], None]] = []
 _clocks: list[Clock] = []
 _failed: list[str] = []
+_waited = [0.0]
+"""Seconds this process has spent in outermost waits for other ranks, since it started."""
 
 
 def current() -> str:
@@ -84,10 +86,18 @@ def waiting(name: str, details: Callable[[], dict[str, Any]] | None = None) -> I
         _broken[:] = [(f"{name} ({current()})", details, _waits[-1][2])]
         raise
     finally:
-        _waits.pop()
+        _, _, began = _waits.pop()
+        if not _waits:
+            _waited[0] += time.monotonic() - began
     if start is not None and _clocks:
         args = details() if details is not None else {}
         _hear(Span(name, start, _clocks[-1].now(), len(_stack), wait=True, args=args))
+
+
+def waited_s() -> float:
+    """Seconds spent waiting for other ranks so far (a time between two readings of it is
+    communication, not compute)."""
+    return _waited[0]
 
 
 def current_wait() -> tuple[str, dict[str, Any], float] | None:

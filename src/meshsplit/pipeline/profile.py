@@ -3,7 +3,10 @@
 Each layer runs on the values the layers before it produced for one micro-batch, so its
 inputs have real shapes. Backward is timed as torch.autograd.grad of the layer's outputs
 with respect to its floating-point inputs and its parameters, the work one pipeline
-backward does there, without touching `.grad`. Buffers (e.g. BatchNorm statistics) and the
+backward does there, without touching `.grad`. The times are compute: the waits of an
+operator split's collectives inside a layer are left out (on shared cores they vary with
+what the other ranks do, and an estimate made in one process, with no peers to wait for,
+would cut elsewhere). Buffers (e.g. BatchNorm statistics) and the
 random generators are restored afterwards, so profiling leaves training unchanged.
 """
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from meshsplit import phases
 from meshsplit.pipeline.frontend import Layer, LayerGraph
 from meshsplit.plan import PlanError
 
@@ -102,10 +106,10 @@ def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, 
     params = [p for p in layer.module.parameters() if p.requires_grad]
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + params
     _synchronize(args)
-    started = time.perf_counter()
+    started, waited = time.perf_counter(), phases.waited_s()
     outputs = layer(*args)
     _synchronize(outputs)
-    middle = time.perf_counter()
+    middle, forward_waits = time.perf_counter(), phases.waited_s() - waited
     differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     if differentiable and wrt:
         torch.autograd.grad(
@@ -115,7 +119,9 @@ def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, 
             allow_unused=True,
         )
     _synchronize(outputs)
-    return middle - started, time.perf_counter() - middle, outputs
+    backward_waits = phases.waited_s() - waited - forward_waits
+    forward = middle - started - forward_waits
+    return forward, time.perf_counter() - middle - backward_waits, outputs
 
 
 class NotATensor(PlanError):
