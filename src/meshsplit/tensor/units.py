@@ -35,31 +35,14 @@ from meshsplit.tensor.shards import ParallelLayer
 
 __all__: list[str] = []
 
-ELEMENTWISE = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.Mish,
-    nn.Hardswish,
-    nn.Dropout,
-    nn.Identity,
-)
-CHANNELWISE = (
-    *ELEMENTWISE,
-    *(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
-    *(nn.Dropout1d, nn.Dropout2d, nn.Dropout3d),
-)
+ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU)
+ELEMENTWISE = (*ACTIVATIONS, nn.Mish, nn.Hardswish, nn.Dropout, nn.Identity)
+POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+CHANNELWISE = (*ELEMENTWISE, *POOLS, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 BASES: dict[type[nn.Module], str] = {
     nn.Linear: "out_features",
     nn.Embedding: "num_embeddings",
-    nn.Conv1d: "out_channels",
-    nn.Conv2d: "out_channels",
-    nn.Conv3d: "out_channels",
+    **dict.fromkeys(CONVOLUTIONS, "out_channels"),
 }
 """Classes whose own forward a parallel layer reproduces (a subclass must not override it),
 each with the attribute that gives its weight's first dimension."""
