@@ -7,7 +7,8 @@ encoder's output crossing every cut after it. A stand-in with x-transformers' st
 whether the library is installed or not. Two more keep the residual sum outside their blocks
 (zipped ModuleLists of norms and nn.MultiheadAttention; a ModuleDict called through
 torch.utils.checkpoint): a cut between those blocks would have to carry more than a block's
-input, so they are traced instead. Each is trained 3 SGD steps under pp=2 and pp=4 and
+input, so they are traced instead. One keeps its blocks in a ModuleDict by name, as torchtitan
+does. Each is trained 3 SGD steps under pp=2 and pp=4 and
 must equal one process, with every rank holding a fair share of the weights.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -178,6 +180,39 @@ class Checkpointed(nn.Module):
         return self.head(h)
 
 
+class ResidualBlock(nn.Module):
+    """x + w2(silu(w1(norm(x)))): a block that keeps its own residual, its layers attributes
+    of its own (no list inside), as torchtitan's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.w1, self.w2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, length, _ = x.shape
+        return x + self.w2(F.silu(self.w1(self.norm(x)))).view(rows, length, DIM)
+
+
+class BlocksByName(nn.Module):
+    """torchtitan's layout: the blocks in a ModuleDict keyed by layer number, walked by
+    `.values()` (a tracer sees the dict as one layer: before, pp=2 put 98% of the weights on
+    the first stage and pp=4 one rank held all the blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleDict({str(k): ResidualBlock() for k in range(DEPTH)})
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(ids)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
 def _x_transformers() -> nn.Module:
     from x_transformers import Decoder
     from x_transformers import TransformerWrapper as Library
@@ -199,8 +234,14 @@ MODELS = {
     "t5": _t5,
     "outside-residual": OutsideResidual,
     "checkpointed": Checkpointed,
+    "blocks-by-name": BlocksByName,
 }
-SOURCES = {"t5": "blocks", "outside-residual": "export", "checkpointed": "fx"}
+SOURCES = {
+    "t5": "blocks",
+    "outside-residual": "export",
+    "checkpointed": "fx",
+    "blocks-by-name": "blocks",
+}
 """How each is cut: between its blocks, or traced (by torch.export where fx cannot)."""
 LIBRARIES = {"x-transformers": "x_transformers", "t5": "transformers"}
 INSTALLED = [

@@ -93,7 +93,8 @@ def find_blocks(model: nn.Module, example: Any) -> Blocks:
     if not lists:
         raise PlanError(
             f"found no repeated blocks in {type(model).__name__} to cut between (an "
-            "nn.ModuleList or nn.Sequential of two or more children with parameters); make the "
+            "nn.ModuleList, nn.Sequential or nn.ModuleDict of two or more children with "
+            "parameters); make the "
             "model an nn.Sequential of its pieces, or mark cuts with "
             "meshsplit.pipeline.split_point(x) in forward"
         )
@@ -182,10 +183,11 @@ def sizes_at(pieces: Sequence[Piece], split_points: Sequence[str]) -> tuple[int,
 
 
 def _block_lists(model: nn.Module, named: dict[str, nn.Module]) -> list[str]:
-    """Outermost lists of two or more children with parameters (the root counts if it is one)."""
+    """Outermost lists of two or more children with parameters (the root counts if it is one;
+    a ModuleDict of blocks walked by `.values()`, as torchtitan's models keep theirs, is one)."""
     found: list[str] = []
     for name, module in named.items():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
+        if not isinstance(module, nn.ModuleList | nn.Sequential | nn.ModuleDict):
             continue
         holders = [c for c in module.children() if any(True for _ in c.parameters())]
         if len(holders) < 2:
