@@ -14,6 +14,7 @@ from torch import nn
 import meshsplit as ms
 from meshsplit import phases
 from meshsplit.pipeline import split_point
+from meshsplit.pipeline.blocks import find_blocks
 from meshsplit.pipeline.cuts import refuse_stages_without_parameters
 from meshsplit.pipeline.frontend import LayerGraph, layer_graph
 from meshsplit.pipeline.p2p import TensorMeta, decode, encode
@@ -209,6 +210,24 @@ def test_profile_leaves_out_the_waits_for_other_ranks() -> None:
         layer_graph(nn.Sequential(_WaitsForPeers(), nn.ReLU())), torch.ones(4, 8)
     )
     assert costs[0].forward_ms < 25 and costs[0].backward_ms < 25, costs[0]
+
+
+class _WaitingBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_WaitsForPeers(), _WaitsForPeers()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_block_front_end_leaves_out_the_waits_for_other_ranks_too() -> None:
+    with torch.no_grad():
+        pieces = find_blocks(_WaitingBlocks(), torch.ones(4, 8)).pieces
+    assert [p.name for p in pieces] == ["blocks.0", "blocks.1"]
+    assert all(p.forward_ms < 25 for p in pieces), [p.forward_ms for p in pieces]
 
 
 def test_stages_that_cannot_train_are_refused_before_any_step() -> None:

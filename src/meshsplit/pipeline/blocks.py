@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from meshsplit import phases
 from meshsplit.batch import call_model, rows, tensors
 from meshsplit.plan import PlanError
 
@@ -243,7 +244,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     record = _Record({name_of[id(m)]: 0 for m in modules}, {}, {}, {}, {}, {})
     timings: dict[str, list[float]] = {name: [0.0] * _REPEATS for name in record.calls}
     active: list[str] = []
-    started: dict[str, float] = {}
+    started: dict[str, tuple[float, float]] = {}
     example_rows = rows(example)
     sweep = [0]
     first_modes: set[bool] = set()
@@ -257,7 +258,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
             record.first_call.setdefault(name, len(record.first_call))
             record.inputs.setdefault(name, tensors((args, kwargs)))  # what a cut before sends
         active.append(name)
-        started[name] = time.perf_counter()
+        started[name] = time.perf_counter(), phases.waited_s()
 
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = name_of[id(module)]
@@ -265,7 +266,9 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
             made = record.placeholders.setdefault(module.training, {})
             made.setdefault(name, []).append(_placeholder(output, example_rows))
         else:  # a piece the forward calls several times (a loop) costs all its calls
-            timings[name][sweep[0] - 1] += time.perf_counter() - started[name]
+            began, waited = started[name]  # compute only: tp collectives' waits left out
+            spent = time.perf_counter() - began - (phases.waited_s() - waited)
+            timings[name][sweep[0] - 1] += spent
         active.pop()
 
     buffers = [b.detach().clone() for b in model.buffers()]
