@@ -24,10 +24,13 @@ HEAD_ATTRIBUTES = (
     "num_key_value_heads",
     "split_size",
     "all_head_size",
+    "n_local_heads",
+    "n_local_kv_heads",
 )
-"""Per-rank ints an attention reads in forward: a rank holds 1/tp of each."""
-KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-KV_GROUPS = ("num_key_value_groups",)
+"""Per-rank ints an attention reads in forward: a rank holds 1/tp of each (`n_local_*`: the
+heads of Meta's reference LLaMA on one model-parallel rank)."""
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_kv_heads")
+KV_GROUPS = ("num_key_value_groups", "n_rep")
 """Query heads per kv head, as an attention reads it: fewer kv heads than ranks, it shrinks."""
 
 
@@ -49,7 +52,8 @@ def head_counts(
         config = getattr(module, "config", None)
         attention = any(hasattr(module, a) for a in (*HEAD_ATTRIBUTES, "head_dim"))
         for attr in (*KV_HEADS, "num_attention_heads"):
-            value = getattr(config, attr, None)
+            # the config's count, or the module's own where it has no config (Meta, torchtitan)
+            value = getattr(config, attr, getattr(module, attr, None) if config is None else None)
             if attention and isinstance(value, int) and value % tp:
                 if attr in KV_HEADS and tp % value == 0 and shared in (0, value):
                     shared = value
