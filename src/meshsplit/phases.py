@@ -94,10 +94,10 @@ def waiting(name: str, details: Callable[[], dict[str, Any]] | None = None) -> I
         _hear(Span(name, start, _clocks[-1].now(), len(_stack), wait=True, args=args))
 
 
-def waited_s() -> float:
-    """Seconds spent waiting for other ranks so far (a time between two readings of it is
-    communication, not compute)."""
-    return _waited[0]
+def compute_clock() -> float:
+    """Seconds on a clock that stands still while this process waits for other ranks: the
+    time between two readings is compute, not communication."""
+    return time.monotonic() - _waited[0]  # the clock the waits are summed on
 
 
 def current_wait() -> tuple[str, dict[str, Any], float] | None:

@@ -9,7 +9,6 @@ pieces stubbed out (see `spine.py`). Rationale: docs/internals.md#pipelineblocks
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -244,7 +243,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
     record = _Record({name_of[id(m)]: 0 for m in modules}, {}, {}, {}, {}, {})
     timings: dict[str, list[float]] = {name: [0.0] * _REPEATS for name in record.calls}
     active: list[str] = []
-    started: dict[str, tuple[float, float]] = {}
+    started: dict[str, float] = {}
     example_rows = rows(example)
     sweep = [0]
     first_modes: set[bool] = set()
@@ -258,7 +257,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
             record.first_call.setdefault(name, len(record.first_call))
             record.inputs.setdefault(name, tensors((args, kwargs)))  # what a cut before sends
         active.append(name)
-        started[name] = time.perf_counter(), phases.waited_s()
+        started[name] = phases.compute_clock()  # tp collectives' waits left out
 
     def after(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         name = name_of[id(module)]
@@ -266,9 +265,7 @@ def _observe(model: nn.Module, example: Any, modules: list[nn.Module]) -> _Recor
             made = record.placeholders.setdefault(module.training, {})
             made.setdefault(name, []).append(_placeholder(output, example_rows))
         else:  # a piece the forward calls several times (a loop) costs all its calls
-            began, waited = started[name]  # compute only: tp collectives' waits left out
-            spent = time.perf_counter() - began - (phases.waited_s() - waited)
-            timings[name][sweep[0] - 1] += spent
+            timings[name][sweep[0] - 1] += phases.compute_clock() - started[name]
         active.pop()
 
     buffers = [b.detach().clone() for b in model.buffers()]

@@ -13,7 +13,6 @@ random generators are restored afterwards, so profiling leaves training unchange
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,10 +105,10 @@ def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, 
     params = [p for p in layer.module.parameters() if p.requires_grad]
     wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + params
     _synchronize(args)
-    started, waited = time.perf_counter(), phases.waited_s()
+    started = phases.compute_clock()
     outputs = layer(*args)
     _synchronize(outputs)
-    middle, forward_waits = time.perf_counter(), phases.waited_s() - waited
+    middle = phases.compute_clock()
     differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     if differentiable and wrt:
         torch.autograd.grad(
@@ -119,9 +118,7 @@ def _time_once(layer: Layer, args: list[Any]) -> tuple[float, float, tuple[Any, 
             allow_unused=True,
         )
     _synchronize(outputs)
-    backward_waits = phases.waited_s() - waited - forward_waits
-    forward = middle - started - forward_waits
-    return forward, time.perf_counter() - middle - backward_waits, outputs
+    return middle - started, phases.compute_clock() - middle, outputs
 
 
 class NotATensor(PlanError):

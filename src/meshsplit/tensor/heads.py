@@ -53,7 +53,7 @@ def head_counts(
         attention = any(hasattr(module, a) for a in (*HEAD_ATTRIBUTES, "head_dim"))
         for attr in (*KV_HEADS, "num_attention_heads"):
             # the config's count, or the module's own where it has no config (Meta, torchtitan)
-            value = getattr(config, attr, getattr(module, attr, None) if config is None else None)
+            value = getattr(module if config is None else config, attr, None)
             if attention and isinstance(value, int) and value % tp:
                 if attr in KV_HEADS and tp % value == 0 and shared in (0, value):
                     shared = value
