@@ -11,7 +11,7 @@ Rationale: docs/internals.md#tensordataflowpy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshsplit.tensor.conv import CONVOLUTIONS
 from meshsplit.tensor.conv1d import is_conv1d
 from meshsplit.tensor.heads import divided, head_counts
 from meshsplit.tensor.probe import Trace, candidates, copy_of, hooked, outputs, quietly, same
 from meshsplit.tensor.shards import local_shard
-from meshsplit.tensor.units import features
+from meshsplit.tensor.units import NORMS, feature_dim, features
 
 __all__: list[str] = []
 
@@ -79,10 +80,13 @@ def _between(columns: list[str], row: str) -> list[str]:
 
 
 def _partial(row: nn.Module, x: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """B's block `rank` of input features applied to x, without bias."""
+    """B's block `rank` of input features (a convolution's: input channels) applied to x,
+    without bias."""
     weight: torch.Tensor = row.weight  # type: ignore[assignment]
     if is_conv1d(row):
         return x @ local_shard(weight, 0, 1, rank, tp)
+    if isinstance(row, CONVOLUTIONS):
+        return row._conv_forward(x, local_shard(weight, 1, 1, rank, tp), None)
     return F.linear(x, local_shard(weight, 1, 1, rank, tp))
 
 
@@ -92,10 +96,10 @@ def _column(
     """Registers a hook making column layer `name` emit only rank `rank`'s block (of its
     `shared` kv heads, where tp ranks share them)."""
 
-    def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    def hook(layer: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         if shared:
             return local_shard(output, output.dim() - 1, 1, rank * shared // tp, shared)
-        return local_shard(output, output.dim() - 1, parts, rank, tp)
+        return local_shard(output, feature_dim(layer, output), parts, rank, tp)
 
     return lambda: trace.layers[name].register_forward_hook(hook)
 
@@ -182,7 +186,8 @@ def _shaped(
             kv[name] = shared  # a key or value projection: its heads are shared, not split
             parts[name] = 1
             continue
-        parts[name] = out // n_in if out > n_in and out % n_in == 0 else 1
+        fused = out > n_in and out % n_in == 0 and not isinstance(trace.layers[name], CONVOLUTIONS)
+        parts[name] = out // n_in if fused else 1
         if out % (parts[name] * tp) or n_in % tp:
             why = f"tp={tp} does not divide '{name}' out_features={out} / '{row}' in={n_in}"
             return Refusal(names=names, reason=why, replicate=False)
@@ -194,9 +199,14 @@ def _shaped(
 
 def _without_bias(trace: Trace, row: str, realize: Realize) -> torch.Tensor:
     """The row layer's clean output less its bias: what its partial sums must add up to."""
-    with realize(trace.layers[row]):
-        bias = getattr(trace.layers[row], "bias", None)
-        return trace.outputs[row] - (0 if bias is None else bias)
+    layer = trace.layers[row]
+    with realize(layer):
+        bias = getattr(layer, "bias", None)
+        output = trace.outputs[row]
+        if bias is None:
+            return output
+        dim = feature_dim(layer, output)  # a convolution's bias is one per channel, dim 1
+        return output - bias.reshape(-1, *[1] * (output.dim() - 1 - dim))
 
 
 def _sums_to(partials: list[torch.Tensor], expected: torch.Tensor) -> None:
@@ -314,9 +324,11 @@ def find_pairs(
     layers: Mapping[str, nn.Module],
     tp: int,
     realize: Realize = as_it_is,
+    rows_only: Collection[str] = (),
 ) -> tuple[list[Pair], list[Refusal], set[str]]:
-    """The exact column/row pairs among `layers` (Linear or Conv1D), the refused ones, and
-    the layers the example called.
+    """The exact column/row pairs among `layers` (Linear, Conv1D or a convolution), the
+    refused ones, and the layers the example called; a layer of `rows_only` is only looked
+    at as a row (`normalised`).
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
     built in parts keeps them elsewhere). The pairs taken check exact split all together
@@ -325,7 +337,7 @@ def find_pairs(
         trace = Trace(model, example, layers)
         shaped: list[Pair | Refusal] = []
         taken: set[str] = set()
-        found = candidates(trace)
+        found = candidates(trace, rows_only)
         for row in sorted(found, key=trace.order.index):  # earliest first, no overlaps
             columns = found[row]
             if taken & {*columns, row}:
@@ -336,3 +348,28 @@ def find_pairs(
         refused = [r for r in shaped if isinstance(r, Refusal)] + failed
         refused.sort(key=lambda refusal: trace.order.index(refusal.names[-1]))  # by row
         return pairs, refused, set(trace.calls)
+
+
+def normalised(model: nn.Module, example: Any, convolutions: Mapping[str, nn.Module]) -> set[str]:
+    """The convolutions whose output a norm takes next (a ResNet's conv -> bn): a whole norm
+    cannot run on split channels, so the data flow would refuse each as a column, after
+    forwards that a deep CNN would pay at every convolution. One forward finds them; they
+    may still be rows."""
+    norms = [(name, m) for name, m in model.named_modules() if isinstance(m, NORMS)]
+    if not convolutions or not norms:
+        return set()
+    calls: list[tuple[str, nn.Module]] = []
+
+    def record(name: str, module: nn.Module) -> Callable[[], Any]:
+        def hook(*_: Any) -> None:
+            calls.append((name, module))
+
+        return lambda: module.register_forward_hook(hook)
+
+    with quietly(model), hooked([record(n, m) for n, m in [*convolutions.items(), *norms]]):
+        outputs(model, example)
+    return {
+        name
+        for (name, _), (_, after) in zip(calls, calls[1:], strict=False)
+        if name in convolutions and isinstance(after, NORMS)
+    }

@@ -7,7 +7,7 @@ Rationale: docs/internals.md#tensordataflowpy
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -117,11 +117,12 @@ class Trace:
         return first[0]
 
 
-def candidates(trace: Trace) -> dict[str, list[str]]:
-    """Row layer -> the column layers whose only way to the output is through it."""
+def candidates(trace: Trace, rows_only: Collection[str] = ()) -> dict[str, list[str]]:
+    """Row layer -> the column layers whose only way to the output is through it (no layer
+    of `rows_only` is looked at as a column)."""
     groups: dict[str, list[str]] = {}
     for name in trace.order:
-        if trace.calls[name] != 1:
+        if trace.calls[name] != 1 or name in rows_only:
             continue
         row = trace.only_way_out(name)
         if row is not None:

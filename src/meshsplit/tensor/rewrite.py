@@ -21,7 +21,8 @@ from torch.nn.utils import parametrize
 from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
 from meshsplit.tensor.collectives import InputCopies
-from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs
+from meshsplit.tensor.conv import CONVOLUTIONS
+from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, normalised
 from meshsplit.tensor.experts import experts_decisions
 from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
 from meshsplit.tensor.forms import parallel_form
@@ -154,9 +155,9 @@ def _whole_where_read_outside(model: nn.Module, example: Any, units: list[Unit])
 def _data_flow(
     model: nn.Module, example: Any, units: list[Unit], tp: int, realize: Realize
 ) -> set[str]:
-    """Pair the Linear/Conv1D layers no plan set, through the data flow of `example`; the
-    names of those the example called."""
-    free = [u for u in units if u.kind == "linear" and not u.split and not u.tied]
+    """Pair the Linear/Conv1D layers and plain convolutions no plan set, through the data
+    flow of `example`; the names of those the example called."""
+    free = [u for u in _flowing(units) if not u.split and not u.tied]
     for unit in free:  # the data flow replaces Sequential neighbours for these layers
         if unit.after is not None:
             unit.after.feeders.remove(unit)
@@ -164,8 +165,10 @@ def _data_flow(
             feeder.after = None
         unit.after, unit.feeders = None, []
     by_name = {unit.name: unit for unit in free}
+    convolutions = {u.name: u.module for u in free if u.kind == "conv"}
+    normed = normalised(model, example, convolutions)
     pairs, refused, called = find_pairs(
-        model, example, {u.name: u.module for u in free}, tp, realize
+        model, example, {u.name: u.module for u in free}, tp, realize, normed
     )
     for pair in pairs:
         columns = [by_name[name] for name in pair.columns]
@@ -177,6 +180,24 @@ def _data_flow(
             else:
                 by_name[name].note = f"data-flow pair not taken: {refusal.reason}"
     return called
+
+
+def _flowing(units: list[Unit]) -> list[Unit]:
+    """The layers the data flow pairs: Linear/Conv1D, and plain convolutions except those
+    linked, as nn.Sequential neighbours (directly or through others), to a transposed one,
+    which pairs with its neighbours only."""
+    held: set[int] = set()
+    for unit in units:
+        if unit.kind == "conv" and not isinstance(unit.module, CONVOLUTIONS):
+            stack, seen = [unit], {id(unit)}
+            while stack:
+                current = stack.pop()
+                for linked in [*current.feeders, current.after]:
+                    if linked is not None and id(linked) not in seen:
+                        seen.add(id(linked))
+                        stack.append(linked)
+            held |= seen
+    return [u for u in units if u.kind in ("linear", "conv") and id(u) not in held]
 
 
 def _summed_inside_pairs(

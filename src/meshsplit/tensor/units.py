@@ -234,21 +234,30 @@ def _kept_whole(module: nn.Module) -> str:
             "rank (experts with one matrix each split when an example proves a split of each "
             "expert's inner width)"
         )
-    if isinstance(module, _NORMS):
+    if isinstance(module, NORMS):
         return "norm kept whole (one weight per feature)"
     return f"{type(module).__name__} has no operator split: kept whole on every tp rank"
 
 
-_NORMS = (
+NORMS = (
     nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm
 )  # fmt: skip
+"""Norms: each normalises over features, or holds one weight or statistic per feature."""
 
 
 def features(module: Any) -> tuple[int, int]:
-    """(in, out) features of a Linear or Conv1D."""
+    """(in, out) features of a Linear or Conv1D, or channels of a plain convolution."""
     if is_conv1d(module):
         return module.weight.shape[0], module.nf
+    if isinstance(module, CONVOLUTIONS):
+        return module.in_channels, module.out_channels
     return module.in_features, module.out_features
+
+
+def feature_dim(module: nn.Module, value: torch.Tensor) -> int:
+    """The dimension of `value` (the layer's input or output) that holds its features: a
+    convolution's channels (dim 1), else the last."""
+    return 1 if isinstance(module, CONVOLUTIONS) else value.dim() - 1
 
 
 def describe(module: nn.Module) -> str:
