@@ -12,6 +12,8 @@ from torch import nn
 
 import meshsplit as ms
 from meshsplit.tensor.dataflow import normalised
+from meshsplit.tensor.probe import Trace, quietly
+from meshsplit.tensor.units import NORMS
 
 from reference import assert_matches, train_plainly
 
@@ -153,5 +155,8 @@ def test_a_convolution_that_feeds_a_norm_is_looked_at_only_as_a_row() -> None:
     x = _batches()[0][0]
     for name, expected in (("stem", {"conv2"}), ("normed", {"conv1"}), ("residual", set())):
         model = _build(name)
-        convolutions = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv1d)}
-        assert normalised(model, x, convolutions) == expected, name
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv1d | nn.Linear)}
+        norms = [m for m in model.modules() if isinstance(m, NORMS)]
+        with quietly(model):
+            trace = Trace(model, x, layers, norms)
+        assert normalised(trace) == expected, name

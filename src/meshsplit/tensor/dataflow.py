@@ -11,7 +11,7 @@ Rationale: docs/internals.md#tensordataflowpy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,20 +324,21 @@ def find_pairs(
     layers: Mapping[str, nn.Module],
     tp: int,
     realize: Realize = as_it_is,
-    rows_only: Collection[str] = (),
 ) -> tuple[list[Pair], list[Refusal], set[str]]:
     """The exact column/row pairs among `layers` (Linear, Conv1D or a convolution), the
-    refused ones, and the layers the example called; a layer of `rows_only` is only looked
-    at as a row (`normalised`).
+    refused ones, and the layers the example called. A convolution whose output a norm
+    takes next (a ResNet's conv -> bn) is looked at only as a row: a whole norm cannot run
+    on split channels, so the pair would be refused after forwards that a deep CNN would
+    pay at every convolution (`normalised`).
 
     `realize(layer)` holds a layer's weights while they are read outside its forward (a model
     built in parts keeps them elsewhere). The pairs taken check exact split all together
     (see `_taken`)."""
     with quietly(model):
-        trace = Trace(model, example, layers)
+        trace = Trace(model, example, layers, [m for m in model.modules() if isinstance(m, NORMS)])
         shaped: list[Pair | Refusal] = []
         taken: set[str] = set()
-        found = candidates(trace, rows_only)
+        found = candidates(trace, normalised(trace))
         for row in sorted(found, key=trace.order.index):  # earliest first, no overlaps
             columns = found[row]
             if taken & {*columns, row}:
@@ -350,26 +351,8 @@ def find_pairs(
         return pairs, refused, set(trace.calls)
 
 
-def normalised(model: nn.Module, example: Any, convolutions: Mapping[str, nn.Module]) -> set[str]:
-    """The convolutions whose output a norm takes next (a ResNet's conv -> bn): a whole norm
-    cannot run on split channels, so the data flow would refuse each as a column, after
-    forwards that a deep CNN would pay at every convolution. One forward finds them; they
-    may still be rows."""
-    norms = [(name, m) for name, m in model.named_modules() if isinstance(m, NORMS)]
-    if not convolutions or not norms:
-        return set()
-    calls: list[tuple[str, nn.Module]] = []
-
-    def record(name: str, module: nn.Module) -> Callable[[], Any]:
-        def hook(*_: Any) -> None:
-            calls.append((name, module))
-
-        return lambda: module.register_forward_hook(hook)
-
-    with quietly(model), hooked([record(n, m) for n, m in [*convolutions.items(), *norms]]):
-        outputs(model, example)
-    return {
-        name
-        for (name, _), (_, after) in zip(calls, calls[1:], strict=False)
-        if name in convolutions and isinstance(after, NORMS)
-    }
+def normalised(trace: Trace) -> set[str]:
+    """The convolutions among the trace's layers whose output a norm takes next (the trace
+    watching the model's norms)."""
+    convolutions = {name for name, m in trace.layers.items() if isinstance(m, CONVOLUTIONS)}
+    return trace.followed_by(NORMS) & convolutions

@@ -69,19 +69,45 @@ def quietly(model: nn.Module) -> Iterator[None]:
 
 
 class Trace:
-    """One clean forward: every candidate's input, output and call count, in call order."""
+    """One clean forward: every candidate's input, output and call count, in call order, and
+    which of the `watched` modules ran next after each candidate's calls."""
 
-    def __init__(self, model: nn.Module, example: Any, layers: Mapping[str, nn.Module]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        example: Any,
+        layers: Mapping[str, nn.Module],
+        watched: Collection[nn.Module] = (),
+    ) -> None:
         self.model, self.example, self.layers = model, example, layers
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs: dict[str, torch.Tensor] = {}
         self.calls: Counter[str] = Counter()
-        with hooked([self._recorder(name, m) for name, m in layers.items()]):
+        self.sequence: list[nn.Module] = []
+        """The layers' and the watched modules' calls, in the order they ended."""
+        watchers = [self._watcher(m) for m in watched]
+        with hooked([self._recorder(name, m) for name, m in layers.items()] + watchers):
             self.result = outputs(model, example)
         self.order = list(self.inputs)
 
+    def followed_by(self, kinds: tuple[type[nn.Module], ...]) -> set[str]:
+        """The layers whose call a watched module of one of `kinds` followed next."""
+        names = {id(m): name for name, m in self.layers.items()}
+        return {
+            names[id(call)]
+            for call, after in zip(self.sequence, self.sequence[1:], strict=False)
+            if id(call) in names and isinstance(after, kinds)
+        }
+
+    def _watcher(self, module: nn.Module) -> Callable[[], Any]:
+        def hook(*_: Any) -> None:
+            self.sequence.append(module)
+
+        return lambda: module.register_forward_hook(hook)
+
     def _recorder(self, name: str, module: nn.Module) -> Callable[[], Any]:
         def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            self.sequence.append(module)
             self.calls[name] += 1
             if name not in self.outputs:  # copies: the model may add to them in place after
                 self.inputs[name] = copy_of(args[0])  # (Falcon: mlp_output += attention_output)

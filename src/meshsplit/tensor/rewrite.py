@@ -22,7 +22,7 @@ from meshsplit.mesh import Mesh
 from meshsplit.plan import PlanError
 from meshsplit.tensor.collectives import InputCopies
 from meshsplit.tensor.conv import CONVOLUTIONS
-from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs, normalised
+from meshsplit.tensor.dataflow import Realize, as_it_is, find_pairs
 from meshsplit.tensor.experts import experts_decisions
 from meshsplit.tensor.fallback import check_ties, choose_rest, set_split, wire
 from meshsplit.tensor.forms import parallel_form
@@ -165,10 +165,8 @@ def _data_flow(
             feeder.after = None
         unit.after, unit.feeders = None, []
     by_name = {unit.name: unit for unit in free}
-    convolutions = {u.name: u.module for u in free if u.kind == "conv"}
-    normed = normalised(model, example, convolutions)
     pairs, refused, called = find_pairs(
-        model, example, {u.name: u.module for u in free}, tp, realize, normed
+        model, example, {u.name: u.module for u in free}, tp, realize
     )
     for pair in pairs:
         columns = [by_name[name] for name in pair.columns]
